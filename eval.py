@@ -1,0 +1,69 @@
+"""Evaluate a checkpoint: python eval.py --config configs/demo.py --workdir DIR [--step N].
+
+Prints Recall@1/5/10 (text->image, image->text) and writes DIR/eval_results.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Config file the run was trained with.", lock_config=True)
+flags.DEFINE_string("workdir", None, "The training workdir (checkpoints/ and tokenizer/).")
+flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest).")
+flags.DEFINE_string("split", None, "Split to evaluate (default: config.data.eval_split).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  import jax
+  from hnclip_jax import checkpoint, config as config_lib, experiment, sharding, train_step
+  from hnclip_jax.data import builders
+  from hnclip_jax.metrics import log, quiet_libraries
+  from hnclip_jax.models import abstract_model
+
+  quiet_libraries()
+  config = config_lib.validate(FLAGS.config)
+  workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
+  if not os.path.isdir(workdir):
+    raise FileNotFoundError(f"--workdir={workdir} does not exist; pass the directory train.py wrote to")
+  experiment.enable_compilation_cache(config.compilation_cache_dir)
+  mesh = sharding.make_mesh(config.mesh)
+  split = FLAGS.split or config.data.eval_split
+
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.max_to_keep)
+  steps = ckpt.all_steps()
+  if not steps:
+    raise FileNotFoundError(f"no checkpoints in {ckpt.directory}; train first with train.py --workdir {workdir}")
+  step = steps[-1] if FLAGS.step is None else FLAGS.step
+  if step not in steps:
+    raise ValueError(f"--step={step} has no checkpoint in {ckpt.directory}; available steps: {steps}")
+
+  tokenizer = experiment.get_tokenizer(config, workdir, fit_if_missing=False)
+  model_cfg = experiment.model_config(config, tokenizer)
+  experiment.check_compatible(ckpt.read_meta(step), model_cfg, f"{ckpt.directory}/{step}")
+  graphdef, abstract_params = abstract_model(model_cfg)
+  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding.replicated(mesh)),
+                        abstract_params)
+  params = ckpt.restore_params(step, target)
+  source = builders.data_source(config.data, split)
+  res = experiment.evaluate(params, train_step.make_embed_fn(graphdef, mesh), source, tokenizer, model_cfg, mesh,
+                            config.eval_batch_size)
+  out = {"step": int(step), "dataset": config.data.name, "split": split, "num_pairs": res["num_pairs"],
+         "t2i": res["t2i"], "i2t": res["i2t"]}
+  for d, name in (("t2i", "text->image"), ("i2t", "image->text")):
+    log(f"{name:12s} " + "  ".join(f"{k}={v:6.2f}" for k, v in out[d].items()))
+  if jax.process_index() == 0:
+    path = os.path.join(workdir, "eval_results.json")
+    with open(path, "w") as f:
+      json.dump(out, f, indent=2)
+    log(f"step {step}, {out['num_pairs']} pairs of {config.data.name}/{split}; wrote {path}")
+  ckpt.close()
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,90 @@
+"""The base experiment config and its validation. Config files in configs/ start from `base_config()`."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+import ml_collections
+
+from hnclip_jax.models.clip import PRESETS
+
+
+def model_config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
+  """A named architecture as a ConfigDict (fields of `CLIPConfig`); `vocab_size=0`/`eot_token_id=-1` mean: from the tokenizer."""
+  if preset not in PRESETS:
+    raise ValueError(f"unknown model preset {preset!r}; known: {sorted(PRESETS)}")
+  d = dataclasses.asdict(PRESETS[preset])
+  unknown = set(overrides) - set(d)
+  if unknown:
+    raise ValueError(f"unknown model field(s) {sorted(unknown)}; known: {sorted(d)}")
+  d.update(overrides)
+  return ml_collections.ConfigDict(d)
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.batch_size = 128  # global, over all devices and processes
+  c.total_steps = 1000
+  c.log_every = 50
+  c.checkpoint_every = 500
+  c.eval_every = 500
+  c.max_to_keep = 3
+  c.eval_batch_size = 256
+  c.workers = 0  # grain worker processes (0: threads in the main process)
+  c.compilation_cache_dir = "~/.cache/hnclip_jax/xla"  # "" disables the persistent XLA cache
+
+  c.loss = ml_collections.ConfigDict({"gamma": 0.5})
+  c.optimizer = ml_collections.ConfigDict({
+      "lr": 5e-4, "weight_decay": 0.1, "warmup_steps": 50,
+      "b1": 0.9, "b2": 0.98, "eps": 1e-6, "grad_clip_norm": 1.0})
+  c.model = model_config("tiny", vocab_size=0, eot_token_id=-1)
+  c.data = ml_collections.ConfigDict({
+      "name": "synthetic", "data_dir": "", "train_split": "train", "eval_split": "test",
+      # Synthetic data only:
+      "num_train": 4096, "num_test": 512, "group_size": 4, "image_size": 64, "seed": 0})
+  # Device mesh: axis sizes; one may be -1 (= all remaining devices). The batch is split over data × fsdp.
+  c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
+  return c
+
+
+POSITIVE = ("batch_size", "total_steps", "log_every", "checkpoint_every", "eval_every", "max_to_keep",
+            "eval_batch_size", "data.num_train", "data.num_test", "data.group_size", "data.image_size",
+            "optimizer.lr")
+NON_NEGATIVE = ("workers", "optimizer.weight_decay", "optimizer.warmup_steps", "loss.gamma")
+
+
+def _flatten(cfg, prefix=""):
+  out = {}
+  for k, v in cfg.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, ml_collections.ConfigDict):
+      out.update(_flatten(v, key + "."))
+    else:
+      out[key] = v
+  return out
+
+
+def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Raises ValueError naming the offending key/value and the fix; returns the config unchanged."""
+  known, given = _flatten(base_config()), _flatten(config)
+  for key in sorted(set(given) - set(known)):
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean config.{close[0]}?" if close else ""
+    raise ValueError(f"unknown config key config.{key}{hint} (see hnclip_jax/config.py for all keys)")
+  for key in POSITIVE:
+    if key in given and not given[key] > 0:
+      raise ValueError(f"config.{key}={given[key]!r} must be positive")
+  for key in NON_NEGATIVE:
+    if key in given and given[key] < 0:
+      raise ValueError(f"config.{key}={given[key]!r} must be >= 0")
+  for key, value in given.items():
+    if key.startswith("model.") and isinstance(value, (int, float)) and not isinstance(value, bool):
+      auto = (key == "model.vocab_size" and value == 0) or (key == "model.eot_token_id" and value == -1)
+      if value <= 0 and not auto:
+        raise ValueError(f"config.{key}={value!r} must be positive")
+  axes = [config.mesh[a] for a in ("data", "fsdp", "tensor")]
+  if sum(a == -1 for a in axes) > 1 or any(a == 0 or a < -1 for a in axes):
+    raise ValueError(f"config.mesh (data, fsdp, tensor) = {tuple(axes)}: sizes must be positive, "
+                     "with at most one -1 (= fill with the remaining devices)")
+  return config

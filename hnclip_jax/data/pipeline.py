@@ -1,0 +1,71 @@
+"""grain input pipelines: deterministic, resumable training batches and padded eval batches."""
+from __future__ import annotations
+
+import grain
+import numpy as np
+from PIL import Image
+
+# OpenAI CLIP's pixel statistics (RGB, [0, 1] scale).
+CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
+CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
+
+
+def normalize(image: np.ndarray, image_size: int) -> np.ndarray:
+  """uint8 [H, W, 3] -> float32 [image_size, image_size, 3], CLIP-normalised (bicubic resize if needed)."""
+  if image.shape[:2] != (image_size, image_size):
+    image = np.asarray(Image.fromarray(image).resize((image_size, image_size), Image.BICUBIC))
+  return (image.astype(np.float32) / 255.0 - CLIP_MEAN) / CLIP_STD
+
+
+def _caption(ex) -> str:
+  c = ex["caption"]
+  return c.decode("utf-8") if isinstance(c, bytes) else str(c)
+
+
+class _Preprocess(grain.transforms.Map):
+
+  def __init__(self, tokenizer, image_size):
+    self.tokenizer, self.image_size = tokenizer, image_size
+
+  def map(self, ex):
+    return {"image": normalize(ex["image"], self.image_size),
+            "tokens": self.tokenizer([_caption(ex)])[0],
+            "image_id": np.int64(ex["image_id"])}
+
+
+def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed: int, start_step: int = 0,
+                  process_index: int = 0, process_count: int = 1, workers: int = 0, prefetch: int = 4):
+  """Infinite iterator of this process's batches: image f32 [b,H,W,3], tokens int32 [b,L], b = global_batch / processes.
+
+  Epochs are reshuffled from `seed`; batch k is a pure function of (seed, k), so
+  starting at `start_step` resumes the exact stream of an uninterrupted run.
+  """
+  local_batch = global_batch // process_count
+  ds = grain.MapDataset.source(source)[process_index::process_count]
+  if len(ds) < local_batch:
+    raise ValueError(f"the training split has {len(ds)} examples per process, fewer than one batch "
+                     f"({local_batch}); lower config.batch_size")
+  ds = (ds.shuffle(seed=seed).map(_Preprocess(tokenizer, image_size))
+        .batch(local_batch, drop_remainder=True).repeat()[start_step:])
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, prefetch), prefetch_buffer_size=prefetch))
+  if workers > 0:
+    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+  return it
+
+
+def eval_batches(source, tokenizer, *, image_size: int, batch_size: int, process_index: int = 0,
+                 process_count: int = 1):
+  """Yields this process's share of `source` in fixed-size batches; the last is zero-padded with mask=False."""
+  ds = grain.MapDataset.source(source)[process_index::process_count].map(_Preprocess(tokenizer, image_size))
+  n = len(ds)
+  for start in range(0, n, batch_size):
+    items = [ds[i] for i in range(start, min(start + batch_size, n))]
+    pad = batch_size - len(items)
+    batch = {k: np.stack([it[k] for it in items] + [np.zeros_like(items[0][k])] * pad) for k in items[0]}
+    batch["mask"] = np.arange(batch_size) < len(items)
+    yield batch
+
+
+def read_captions(source) -> list[str]:
+  """All captions of a source (images are not decoded if the source skips decoding)."""
+  return [_caption(source[i]) for i in range(len(source))]

@@ -1,0 +1,93 @@
+"""Set-up shared by train.py and eval.py: XLA cache, tokenizer, model config, checkpoint checks, eval."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from hnclip_jax import sharding
+from hnclip_jax.data import builders, pipeline
+from hnclip_jax.data.tokenizer import WordTokenizer, load_tokenizer
+from hnclip_jax.evaluation import recall_at_k
+from hnclip_jax.models import CLIPConfig
+
+
+def enable_compilation_cache(cache_dir: str) -> None:
+  """Persistent XLA cache: repeated runs skip recompiling the same programs."""
+  if cache_dir:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def tokenizer_dir(workdir: str) -> str:
+  return os.path.join(workdir, "tokenizer")
+
+
+def get_tokenizer(config, workdir: str, *, fit_if_missing: bool):
+  """The workdir's tokenizer; when absent and `fit_if_missing`, fits one on the training captions and saves it."""
+  path = tokenizer_dir(workdir)
+  if os.path.exists(os.path.join(path, "tokenizer_meta.json")):
+    tok = load_tokenizer(path)
+  elif fit_if_missing:
+    captions = pipeline.read_captions(builders.data_source(config.data, config.data.train_split, decode_images=False))
+    tok = WordTokenizer.fit(captions, context_length=config.model.text_context)
+    if jax.process_index() == 0:
+      tok.save(path)
+  else:
+    raise FileNotFoundError(f"no tokenizer in {path}: run train.py with this --workdir first")
+  if tok.context_length != config.model.text_context:
+    raise ValueError(f"{path} was saved with context_length={tok.context_length} but "
+                     f"config.model.text_context={config.model.text_context}; use the same text context")
+  return tok
+
+
+def model_config(config, tokenizer) -> CLIPConfig:
+  """config.model with the tokenizer's vocabulary filled in where it says 0 / -1."""
+  d = dict(config.model)
+  if d["vocab_size"] == 0:
+    d["vocab_size"] = tokenizer.vocab_size
+  if d["eot_token_id"] == -1:
+    d["eot_token_id"] = tokenizer.eot_id
+  if d["vocab_size"] < tokenizer.vocab_size:
+    raise ValueError(f"config.model.vocab_size={d['vocab_size']} is smaller than the tokenizer's "
+                     f"vocabulary ({tokenizer.vocab_size}); set it to 0 to take the tokenizer's size")
+  return CLIPConfig.from_dict(d).validate()
+
+
+def check_compatible(meta: dict, model_cfg: CLIPConfig, where: str) -> None:
+  """Raises if a checkpoint's model config differs from the one this run builds."""
+  saved = meta.get("model")
+  if saved is None:
+    raise ValueError(f"{where} has no model config in its metadata; it was not written by hnclip_jax")
+  mine = dataclasses.asdict(model_cfg)
+  diffs = [f"model.{k}: checkpoint={saved.get(k)!r}, config={v!r}" for k, v in mine.items()
+           if k != "dtype" and saved.get(k) != v]
+  if diffs:
+    raise ValueError(f"checkpoint {where} was written for a different model: " + "; ".join(diffs) +
+                     ". Use the config it was trained with, or a fresh --workdir.")
+
+
+def embed_split(params, embed_fn, source, tokenizer, model_cfg: CLIPConfig, mesh, batch_size: int):
+  """Embeds every pair of `source` -> (img [N, E], txt [N, E]) NumPy on every process, pairs aligned by row."""
+  sharding.check_batch_size(batch_size, mesh, "config.eval_batch_size")
+  local = batch_size // jax.process_count()
+  imgs, txts, masks = [], [], []
+  for batch in pipeline.eval_batches(source, tokenizer, image_size=model_cfg.image_size, batch_size=local,
+                                     process_index=jax.process_index(), process_count=jax.process_count()):
+    g = sharding.to_global({"image": batch["image"], "tokens": batch["tokens"]}, mesh)
+    i, t = embed_fn(params, g["image"], g["tokens"])
+    imgs.append(multihost_utils.process_allgather(i, tiled=True))
+    txts.append(multihost_utils.process_allgather(t, tiled=True))
+    masks.append(multihost_utils.process_allgather(batch["mask"], tiled=True))
+  mask = np.concatenate(masks)
+  return np.concatenate(imgs)[mask], np.concatenate(txts)[mask]
+
+
+def evaluate(params, embed_fn, source, tokenizer, model_cfg, mesh, batch_size: int) -> dict:
+  img, txt = embed_split(params, embed_fn, source, tokenizer, model_cfg, mesh, batch_size)
+  out = recall_at_k(img, txt)
+  out["num_pairs"] = int(img.shape[0])
+  return out

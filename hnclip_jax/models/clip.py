@@ -1,0 +1,210 @@
+"""OpenAI-CLIP dual encoder in Flax NNX: ViT image tower + causal text transformer.
+
+Parameters are Flax `nnx.Param`s; the trainer works with their pure-dict form
+(`split_params`) and rebuilds the module inside jit with `nnx.merge`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LOGIT_SCALE_MAX = 100.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CLIPConfig:
+  """Architecture of a CLIP dual encoder. Every field is a plain number/string so it round-trips through JSON."""
+  embed_dim: int = 64
+  image_size: int = 64
+  patch_size: int = 8
+  vision_width: int = 128
+  vision_layers: int = 2
+  vision_heads: int = 4
+  vision_mlp_dim: int = 512
+  text_context: int = 77
+  vocab_size: int = 49408
+  text_width: int = 128
+  text_layers: int = 2
+  text_heads: int = 4
+  text_mlp_dim: int = 512
+  eot_token_id: int = 49407  # text is pooled at the first occurrence of this id
+  act: str = "quick_gelu"  # "quick_gelu" (OpenAI) or "gelu"
+  ln_eps: float = 1e-5
+  dtype: str = "float32"  # compute dtype; parameters are always fp32
+
+  @classmethod
+  def from_dict(cls, d) -> "CLIPConfig":
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f"config.model has unknown field(s) {unknown}; known fields: {sorted(names)}")
+    return cls(**dict(d))
+
+  def validate(self) -> "CLIPConfig":
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
+        raise ValueError(f"config.model.{f.name}={v} must be positive")
+    if self.image_size % self.patch_size:
+      raise ValueError(f"config.model.image_size={self.image_size} is not a multiple of "
+                       f"config.model.patch_size={self.patch_size}")
+    for tower in ("vision", "text"):
+      w, h = getattr(self, f"{tower}_width"), getattr(self, f"{tower}_heads")
+      if w % h:
+        raise ValueError(f"config.model.{tower}_width={w} is not divisible by config.model.{tower}_heads={h}")
+    if self.act not in ACTIVATIONS:
+      raise ValueError(f"config.model.act={self.act!r}; choose one of {sorted(ACTIVATIONS)}")
+    if not 0 <= self.eot_token_id < self.vocab_size:
+      raise ValueError(f"config.model.eot_token_id={self.eot_token_id} is outside the vocabulary "
+                       f"(vocab_size={self.vocab_size})")
+    return self
+
+
+def quick_gelu(x):
+  return x * jax.nn.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
+
+# Named sizes. "tiny" is the CPU demo size; the others are OpenAI's.
+PRESETS = {
+    "tiny": CLIPConfig(),
+    "vit_b16": CLIPConfig(embed_dim=512, image_size=224, patch_size=16, vision_width=768, vision_layers=12,
+                          vision_heads=12, vision_mlp_dim=3072, text_context=77, vocab_size=49408,
+                          text_width=512, text_layers=12, text_heads=8, text_mlp_dim=2048),
+    "vit_l14": CLIPConfig(embed_dim=768, image_size=224, patch_size=14, vision_width=1024, vision_layers=24,
+                          vision_heads=16, vision_mlp_dim=4096, text_context=77, vocab_size=49408,
+                          text_width=768, text_layers=12, text_heads=12, text_mlp_dim=3072),
+}
+
+
+class Attention(nnx.Module):
+  """Multi-head self-attention with separate q/k/v projections (the Hugging Face layout)."""
+
+  def __init__(self, width, heads, *, dtype, rngs):
+    self.heads = heads
+    init = nnx.initializers.normal(width ** -0.5)
+    mk = lambda: nnx.Linear(width, width, kernel_init=init, dtype=dtype, rngs=rngs)
+    self.q, self.k, self.v, self.out = mk(), mk(), mk(), mk()
+
+  def __call__(self, x, causal):  # x: [B, L, W]
+    b, l, w = x.shape
+    split = lambda t: t.reshape(b, l, self.heads, w // self.heads)
+    o = jax.nn.dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=causal)
+    return self.out(o.reshape(b, l, w))
+
+
+class Block(nnx.Module):
+  """Pre-LN residual block: x + attn(ln(x)); x + mlp(ln(x))."""
+
+  def __init__(self, width, heads, mlp_dim, act, eps, *, dtype, rngs):
+    self.ln1 = nnx.LayerNorm(width, epsilon=eps, dtype=dtype, rngs=rngs)
+    self.attn = Attention(width, heads, dtype=dtype, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(width, epsilon=eps, dtype=dtype, rngs=rngs)
+    init = nnx.initializers.normal((2 * width) ** -0.5)
+    self.fc1 = nnx.Linear(width, mlp_dim, kernel_init=init, dtype=dtype, rngs=rngs)
+    self.fc2 = nnx.Linear(mlp_dim, width, kernel_init=init, dtype=dtype, rngs=rngs)
+    self.act = ACTIVATIONS[act]
+
+  def __call__(self, x, causal):
+    x = x + self.attn(self.ln1(x), causal)
+    return x + self.fc2(self.act(self.fc1(self.ln2(x))))
+
+
+class Transformer(nnx.Module):
+
+  def __init__(self, width, layers, heads, mlp_dim, act, eps, *, dtype, rngs):
+    self.blocks = nnx.List([Block(width, heads, mlp_dim, act, eps, dtype=dtype, rngs=rngs) for _ in range(layers)])
+
+  def __call__(self, x, causal):
+    for block in self.blocks:
+      x = block(x, causal)
+    return x
+
+
+def _l2_normalize(x):
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), 1e-12))
+
+
+class CLIP(nnx.Module):
+  """CLIP dual encoder. encode_image: [B,H,W,3] f32 -> [B,E]; encode_text: [B,L] int32 -> [B,E] (both L2-normalised)."""
+
+  def __init__(self, cfg: CLIPConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    dt = jnp.dtype(cfg.dtype)
+    vw, tw = cfg.vision_width, cfg.text_width
+    n_patches = (cfg.image_size // cfg.patch_size) ** 2
+    normal = lambda std: nnx.initializers.normal(std)
+    # Image tower.
+    self.patch_embed = nnx.Conv(3, vw, kernel_size=(cfg.patch_size,) * 2, strides=(cfg.patch_size,) * 2,
+                                padding="VALID", use_bias=False, dtype=dt, rngs=rngs)
+    self.class_embedding = nnx.Param(normal(vw ** -0.5)(rngs.params(), (vw,)))
+    self.vision_positions = nnx.Param(normal(vw ** -0.5)(rngs.params(), (n_patches + 1, vw)))
+    self.ln_pre = nnx.LayerNorm(vw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
+    self.vision = Transformer(vw, cfg.vision_layers, cfg.vision_heads, cfg.vision_mlp_dim, cfg.act, cfg.ln_eps,
+                              dtype=dt, rngs=rngs)
+    self.ln_post = nnx.LayerNorm(vw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
+    self.visual_projection = nnx.Param(normal(vw ** -0.5)(rngs.params(), (vw, cfg.embed_dim)))
+    # Text tower.
+    self.token_embedding = nnx.Embed(cfg.vocab_size, tw, embedding_init=normal(0.02), dtype=dt, rngs=rngs)
+    self.text_positions = nnx.Param(normal(0.01)(rngs.params(), (cfg.text_context, tw)))
+    self.text = Transformer(tw, cfg.text_layers, cfg.text_heads, cfg.text_mlp_dim, cfg.act, cfg.ln_eps,
+                            dtype=dt, rngs=rngs)
+    self.ln_final = nnx.LayerNorm(tw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
+    self.text_projection = nnx.Param(normal(tw ** -0.5)(rngs.params(), (tw, cfg.embed_dim)))
+    self.logit_scale = nnx.Param(jnp.asarray(math.log(1 / 0.07), jnp.float32))
+
+  def image_features(self, pixels):  # [B, H, W, 3] -> [B, E] (unnormalised)
+    dt = jnp.dtype(self.cfg.dtype)
+    x = self.patch_embed(pixels.astype(dt))  # [B, h, w, W]
+    b = x.shape[0]
+    x = x.reshape(b, -1, x.shape[-1])
+    cls = jnp.broadcast_to(self.class_embedding[...].astype(dt), (b, 1, x.shape[-1]))
+    x = jnp.concatenate([cls, x], axis=1) + self.vision_positions[...].astype(dt)
+    x = self.vision(self.ln_pre(x), causal=False)
+    return self.ln_post(x[:, 0]) @ self.visual_projection[...].astype(dt)
+
+  def text_features(self, tokens):  # [B, L] int -> [B, E] (unnormalised)
+    dt = jnp.dtype(self.cfg.dtype)
+    length = tokens.shape[1]
+    x = self.token_embedding(tokens) + self.text_positions[...][:length].astype(dt)
+    x = self.ln_final(self.text(x, causal=True))
+    eot = jnp.argmax(tokens == self.cfg.eot_token_id, axis=1)  # [B] first end-of-text position
+    pooled = jnp.take_along_axis(x, eot[:, None, None], axis=1)[:, 0]
+    return pooled @ self.text_projection[...].astype(dt)
+
+  def encode_image(self, pixels):
+    return _l2_normalize(self.image_features(pixels))
+
+  def encode_text(self, tokens):
+    return _l2_normalize(self.text_features(tokens))
+
+  def scale(self):
+    """The multiplier s = exp(logit_scale), clamped at 100 as in CLIP."""
+    return jnp.minimum(jnp.exp(self.logit_scale[...]), LOGIT_SCALE_MAX)
+
+
+def split_params(model: CLIP):
+  """Returns (graphdef, params) with params a pure nested dict of arrays."""
+  graphdef, state = nnx.split(model)
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def abstract_model(cfg: CLIPConfig):
+  """Returns (graphdef, params as ShapeDtypeStructs) without allocating anything."""
+  return split_params(nnx.eval_shape(lambda: CLIP(cfg, rngs=nnx.Rngs(0))))
+
+
+def init_params(cfg: CLIPConfig, seed: int):
+  """Returns (graphdef, params) of a freshly initialised model."""
+  return split_params(CLIP(cfg, rngs=nnx.Rngs(seed)))
+
+
+def bind(graphdef, params) -> CLIP:
+  """Rebuilds the module from its graphdef and a pure params dict (cheap; used inside jit)."""
+  return nnx.merge(graphdef, params)

@@ -1,0 +1,153 @@
+"""HN-CLIP loss against an independent float64 NumPy reference (values and analytic gradients)."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from hnclip_jax import losses
+from conftest import run_py
+
+
+def _normalize(x):
+  return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def np_reference(v, t, s, gamma):
+  """Paper Eq. 2 in float64. Returns (loss, dloss/dv, dloss/dt) with Ḡ treated as a constant."""
+  v, t = v.astype(np.float64), t.astype(np.float64)
+  b = v.shape[0]
+  S = v @ t.T
+  G = t @ t.T
+  np.fill_diagonal(G, 0.0)
+  L = s * (S + gamma * G)
+
+  def log_softmax(x, axis):
+    m = x.max(axis=axis, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
+
+  lr, lc = log_softmax(L, 1), log_softmax(L, 0)
+  loss = 0.5 * (-np.mean(np.diag(lr)) - np.mean(np.diag(lc)))
+  # d loss / d L_ij = (P_row - I + P_col - I) / (2B); S enters L with factor s; Ḡ carries no gradient.
+  M = (np.exp(lr) - np.eye(b) + np.exp(lc) - np.eye(b)) / (2 * b)
+  return loss, s * M @ t, s * M.T @ v
+
+
+def _emb(seed, b=12, d=16, near_dup=0.0):
+  r = np.random.default_rng(seed)
+  v = _normalize(r.normal(size=(b, d)))
+  t = r.normal(size=(b, d))
+  if near_dup:  # captions that are almost copies of one another
+    t = t[:1] + near_dup * t
+  return v.astype(np.float32), _normalize(t).astype(np.float32)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.25, 0.5, 1.0])
+@pytest.mark.parametrize("s", [1.0, 14.3, 100.0])
+def test_values_and_gradients_match_numpy(gamma, s):
+  v, t = _emb(int(gamma * 100 + s))
+  want, dv, dt = np_reference(v, t, s, gamma)
+  got, (gv, gt) = jax.value_and_grad(losses.hn_clip_loss, argnums=(0, 1))(v, t, s, gamma)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(gv, dv, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(gt, dt, rtol=1e-4, atol=1e-6)
+
+
+def test_gamma_zero_is_plain_clip_exactly():
+  v, t = _emb(1)
+  a = losses.hn_clip_loss(v, t, 20.0, 0.0)
+  b = losses.clip_loss(v, t, 20.0)
+  assert float(a) == float(b)
+  # And the margin is active for gamma > 0 (the two losses differ).
+  assert abs(float(losses.hn_clip_loss(v, t, 20.0, 0.5)) - float(b)) > 1e-3
+  want, *_ = np_reference(v, t, 20.0, 0.0)
+  np.testing.assert_allclose(b, want, rtol=2e-5)
+
+
+def test_traced_gamma_zero_matches_clip():
+  v, t = _emb(2)
+  a = jax.jit(losses.hn_clip_loss)(v, t, 20.0, jnp.float32(0.0))
+  np.testing.assert_allclose(a, losses.clip_loss(v, t, 20.0), rtol=1e-6)
+
+
+def test_no_gradient_flows_through_margin():
+  v, t = _emb(3)
+  _, gt = jax.grad(losses.hn_clip_loss, argnums=(0, 1))(v, t, 20.0, 0.5)
+
+  def leaky(v, t):  # the same loss with the stop_gradient removed
+    S, G = v @ t.T, t @ t.T
+    L = 20.0 * (S + 0.5 * G * (1 - jnp.eye(len(v))))
+    lab = jnp.arange(len(v))
+    ce = lambda x: jnp.mean(jax.nn.logsumexp(x, 1) - x[lab, lab])
+    return 0.5 * (ce(L) + ce(L.T))
+
+  _, gt_leaky = jax.grad(leaky, argnums=(0, 1))(v, t)
+  _, _, dt_ref = np_reference(v, t, 20.0, 0.5)
+  np.testing.assert_allclose(gt, dt_ref, rtol=1e-4, atol=1e-6)
+  assert np.abs(np.asarray(gt_leaky) - dt_ref).max() > 1e-3  # the reference can tell the difference
+
+
+def test_margin_skips_the_positive():
+  """Adding a constant to the diagonal of Ḡ must not change the loss: only negatives get a margin."""
+  v, t = _emb(4)
+  # Equal text embeddings make G all ones; with the diagonal masked, every negative gets +γ.
+  t_same = np.repeat(t[:1], len(t), axis=0)
+  got = losses.hn_clip_loss(v, t_same, 10.0, 0.5)
+  want, *_ = np_reference(v, t_same, 10.0, 0.5)
+  np.testing.assert_allclose(got, want, rtol=2e-5)
+  assert float(got) > float(losses.clip_loss(v, t_same, 10.0)) + 1.0
+
+
+def test_fp32_safe_at_scale_100_with_near_identical_captions():
+  v, t = _emb(5, b=64, d=32, near_dup=1e-3)
+  assert (t @ t.T).min() > 0.999  # really near-identical
+  got, (gv, gt) = jax.value_and_grad(losses.hn_clip_loss, argnums=(0, 1))(v, t, 100.0, 1.0)
+  assert np.isfinite(got) and np.all(np.isfinite(gv)) and np.all(np.isfinite(gt))
+  want, dv, _ = np_reference(v, t, 100.0, 1.0)
+  np.testing.assert_allclose(got, want, rtol=1e-4)
+  np.testing.assert_allclose(gv, dv, rtol=1e-3, atol=1e-5)
+  # Saturated easy case: huge margins, loss ~ 0 but no NaN.
+  e = np.eye(8, dtype=np.float32)
+  sat = losses.hn_clip_loss(e, e, 100.0, 0.5)
+  assert np.isfinite(sat) and float(sat) < 1e-30 + 1e-4
+
+
+def test_bf16_inputs_are_computed_in_fp32():
+  v, t = _emb(6)
+  got = losses.hn_clip_loss(jnp.asarray(v, jnp.bfloat16), jnp.asarray(t, jnp.bfloat16), 50.0, 0.5)
+  assert got.dtype == jnp.float32
+  want, *_ = np_reference(np.asarray(jnp.asarray(v, jnp.bfloat16), np.float64),
+                          np.asarray(jnp.asarray(t, jnp.bfloat16), np.float64), 50.0, 0.5)
+  np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+SHARDED = r"""
+import itertools, json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hnclip_jax import losses
+r = np.random.default_rng(0)
+v = r.normal(size=(32, 16)); v /= np.linalg.norm(v, axis=1, keepdims=True)
+t = r.normal(size=(32, 16)); t = t[:1] + 0.3 * t; t /= np.linalg.norm(t, axis=1, keepdims=True)
+v, t = v.astype(np.float32), t.astype(np.float32)
+dense = jax.value_and_grad(losses.hn_clip_loss, argnums=(0, 1))(v, t, 30.0, 0.5)
+out = {}
+for shape in [(8, 1, 1), (2, 4, 1), (1, 8, 1), (2, 2, 2), (4, 1, 2)]:
+  mesh = Mesh(np.array(jax.devices()).reshape(shape), ("data", "fsdp", "tensor"))
+  sh = NamedSharding(mesh, P(("data", "fsdp")))
+  f = lambda a, b: losses.sharded_hn_clip_loss(a, b, 30.0, 0.5, mesh, ("data", "fsdp"))[0]
+  val, (gv, gt) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(jax.device_put(v, sh), jax.device_put(t, sh))
+  out[str(shape)] = [abs(float(val) - float(dense[0])) / abs(float(dense[0])),
+                     float(np.abs(np.asarray(gv) - np.asarray(dense[1][0])).max()),
+                     float(np.abs(np.asarray(gt) - np.asarray(dense[1][1])).max()),
+                     float(np.abs(np.asarray(dense[1][1])).max())]
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_sharded_loss_equals_single_device_on_8_devices():
+  proc = run_py(["-c", SHARDED], devices=8)
+  res = __import__("json").loads(proc.stdout.split("RESULT", 1)[1])
+  assert len(res) == 5
+  for layout, (rel, dv, dt, scale) in res.items():
+    assert rel <= 1e-5, layout
+    assert dv <= 1e-5 * max(scale, 1.0) and dt <= 1e-5 * max(scale, 1.0), (layout, dv, dt)
