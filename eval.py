@@ -10,6 +10,8 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
+from hnclip_jax.cli import clean_errors
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file the run was trained with.", lock_config=True)
 flags.DEFINE_string("workdir", None, "The training workdir (checkpoints/ and tokenizer/).")
@@ -18,6 +20,7 @@ flags.DEFINE_string("split", None, "Split to evaluate (default: config.data.eval
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+@clean_errors
 def main(argv):
   del argv
   import jax

@@ -8,12 +8,15 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
+from hnclip_jax.cli import clean_errors
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file (get_config()).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and the tokenizer go. Rerun to resume.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+@clean_errors
 def main(argv):
   del argv
   import jax

@@ -1,0 +1,153 @@
+"""Synthetic data, its TFDS builder (array_record, no TensorFlow), the tokenizer and the grain pipeline."""
+import io
+import json
+
+import ml_collections
+import numpy as np
+import pytest
+from PIL import Image
+
+from hnclip_jax.data import builders, pipeline, synthetic
+from hnclip_jax.data.tokenizer import WordTokenizer, load_tokenizer
+from conftest import run_py
+
+
+def test_generator_is_deterministic_and_described():
+  a = list(synthetic.generate(24, 4, 32, seed=3))
+  b = list(synthetic.generate(24, 4, 32, seed=3))
+  c = list(synthetic.generate(24, 4, 32, seed=4))
+  assert [x[1] for x in a] == [x[1] for x in b] and [x[2] for x in a] == [x[2] for x in b]
+  assert [x[2] for x in a] != [x[2] for x in c]
+  for _, png, cap, _ in a:
+    assert len(cap.split()) >= 40
+    img = np.asarray(Image.open(io.BytesIO(png)))
+    assert img.shape == (32, 32, 3)
+    # Every object is named with its colour and shape; the image shows each colour.
+    sentences = [s for s in cap.split(". ") if s.startswith("In the ")]
+    assert len(sentences) in (3, 4)
+    assert len(set(cap for _, _, cap, _ in a)) == len(a)  # no exact duplicates
+
+
+def _word_diff(a, b):
+  wa, wb = a.split(), b.split()
+  return sum(x != y for x, y in zip(wa, wb)) + abs(len(wa) - len(wb))
+
+
+def test_near_duplicate_groups():
+  ex = list(synthetic.generate(200, 4, 32, seed=0))
+  groups = {}
+  for _, _, cap, g in ex:
+    groups.setdefault(g, []).append(cap)
+  within = [_word_diff(a, b) for caps in groups.values() for i, a in enumerate(caps) for b in caps[i + 1:]]
+  across = [_word_diff(groups[g][0], groups[g + 1][0]) for g in range(len(groups) - 1)]
+  assert sum(len(c) == 4 for c in groups.values()) >= 0.9 * len(groups)
+  assert np.median(within) <= 4  # one or two attributes apart (a move rewrites up to 4 words)
+  assert np.median(across) > 2 * np.median(within)
+
+
+DATA = ml_collections.ConfigDict(dict(name="synthetic", data_dir="", train_split="train", eval_split="test",
+                                      num_train=48, num_test=20, group_size=4, image_size=32, seed=7))
+
+
+@pytest.fixture(scope="module")
+def data_cfg(tfds_dir):
+  cfg = ml_collections.ConfigDict(DATA.to_dict())
+  cfg.data_dir = tfds_dir
+  return cfg
+
+
+def test_builder_round_trip(data_cfg):
+  train = builders.data_source(data_cfg, "train")
+  test = builders.data_source(data_cfg, "test", decode_images=False)
+  assert len(train) == 48 and len(test) == 20
+  want = {i: (png, cap) for i, png, cap, _ in synthetic.generate(48, 4, 32, seed=7)}
+  for k in range(len(train)):
+    ex = train[k]
+    png, cap = want[int(ex["image_id"])]
+    assert ex["caption"].decode() == cap
+    np.testing.assert_array_equal(ex["image"], np.asarray(Image.open(io.BytesIO(png))))
+  assert sorted(int(train[k]["image_id"]) for k in range(48)) == list(range(48))
+  train_caps = {train[k]["caption"] for k in range(48)}
+  assert not train_caps & {test[k]["caption"] for k in range(20)}  # splits share no scene
+  assert isinstance(test[0]["image"], bytes)  # SkipDecoding keeps the PNG
+
+
+def test_unknown_dataset_and_split_are_named(data_cfg):
+  bad = ml_collections.ConfigDict(data_cfg.to_dict())
+  bad.name = "cifar"
+  with pytest.raises(ValueError, match="config.data.name='cifar'"):
+    builders.data_source(bad, "train")
+  with pytest.raises(ValueError, match="split 'validation' does not exist"):
+    builders.data_source(data_cfg, "validation")
+
+
+def test_no_tensorflow_is_imported(tfds_dir):
+  code = ("import sys, ml_collections; from hnclip_jax.data import builders, pipeline; import train; from hnclip_jax import checkpoint, experiment, metrics, train_step;"
+          f"cfg = ml_collections.ConfigDict({DATA.to_dict()!r}); cfg.data_dir = {tfds_dir!r};"
+          "s = builders.data_source(cfg, 'train'); s[0];"
+          "print('TF', any(m == 'tensorflow' or m.startswith('tensorflow.') for m in sys.modules))")
+  assert "TF False" in run_py(["-c", code]).stdout
+
+
+def test_tokenizer_packs_truncates_and_round_trips(tmp_path):
+  tok = WordTokenizer.fit(["A red circle.", "a blue square, small"], context_length=6)
+  ids = tok(["A red circle.", "zebra", "a red circle a blue square small"])
+  assert ids.dtype == np.int32 and ids.shape == (3, 6)
+  assert (ids[:, 0] == tok.sot_id).all()
+  row = ids[0].tolist()
+  assert row[:6] == [tok.sot_id] + [tok._tok.token_to_id(w) for w in ["a", "red", "circle", "."]] + [tok.eot_id]
+  assert ids[1].tolist() == [tok.sot_id, 1, tok.eot_id, 0, 0, 0]  # unknown word -> 1, zero padding
+  assert ids[2, -1] == tok.eot_id and tok.last_truncated == 1  # truncation keeps the end token last
+  tok.save(str(tmp_path))
+  again = load_tokenizer(str(tmp_path))
+  np.testing.assert_array_equal(again(["a blue square"]), tok(["a blue square"]))
+  with pytest.raises(TypeError):
+    tok("a single string")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(data_cfg):
+  return WordTokenizer.fit(pipeline.read_captions(builders.data_source(data_cfg, "train", False)), 80)
+
+
+def _take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def test_train_pipeline_is_deterministic_and_resumable(data_cfg, tokenizer):
+  src = builders.data_source(data_cfg, "train")
+  kw = dict(image_size=32, global_batch=16, seed=1)
+  full = _take(iter(pipeline.train_dataset(src, tokenizer, **kw)), 7)
+  resumed = _take(iter(pipeline.train_dataset(src, tokenizer, start_step=4, **kw)), 3)
+  for a, b in zip(full[4:], resumed):
+    np.testing.assert_array_equal(a["image_id"], b["image_id"])
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    np.testing.assert_array_equal(a["image"], b["image"])
+  b0 = full[0]
+  assert b0["image"].shape == (16, 32, 32, 3) and b0["image"].dtype == np.float32
+  assert b0["tokens"].shape == (16, 80)
+  # One epoch = 3 batches of 16 without repeats; the next epoch is reshuffled.
+  epoch = np.concatenate([b["image_id"] for b in full[:3]])
+  assert sorted(epoch.tolist()) == list(range(48))
+  assert not np.array_equal(epoch, np.concatenate([b["image_id"] for b in full[3:6]]))
+  # CLIP normalisation of a known pixel value.
+  np.testing.assert_allclose(pipeline.normalize(np.full((32, 32, 3), 255, np.uint8), 32)[0, 0],
+                             (1 - pipeline.CLIP_MEAN) / pipeline.CLIP_STD, rtol=1e-6)
+
+
+def test_process_shards_are_disjoint(data_cfg, tokenizer):
+  src = builders.data_source(data_cfg, "train")
+  ids = []
+  for p in range(2):
+    it = iter(pipeline.train_dataset(src, tokenizer, image_size=32, global_batch=16, seed=0, process_index=p,
+                                     process_count=2))
+    ids.append(np.concatenate([b["image_id"] for b in _take(it, 3)]))
+  assert len(ids[0]) == 24 and not set(ids[0]) & set(ids[1])
+
+
+def test_eval_batches_pad_and_mask(data_cfg, tokenizer):
+  src = builders.data_source(data_cfg, "test")
+  batches = list(pipeline.eval_batches(src, tokenizer, image_size=32, batch_size=8))
+  assert [b["mask"].sum() for b in batches] == [8, 8, 4]
+  ids = np.concatenate([b["image_id"][b["mask"]] for b in batches])
+  assert sorted(ids.tolist()) == list(range(20))

@@ -1,0 +1,135 @@
+"""CLIP towers against a NumPy re-implementation of the OpenAI-CLIP forward pass, plus structural checks."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hnclip_jax.models import CLIPConfig, PRESETS, abstract_model, bind, init_params
+
+CFG = CLIPConfig(embed_dim=24, image_size=16, patch_size=4, vision_width=32, vision_layers=2, vision_heads=4,
+                 vision_mlp_dim=48, text_context=12, vocab_size=50, text_width=32, text_layers=2, text_heads=2,
+                 text_mlp_dim=40, eot_token_id=3)
+
+
+def np_ln(x, p, eps=1e-5):
+  mu = x.mean(-1, keepdims=True)
+  var = ((x - mu) ** 2).mean(-1, keepdims=True)
+  return (x - mu) / np.sqrt(var + eps) * p["scale"] + p["bias"]
+
+
+def np_block(x, p, heads, causal, act):
+  def lin(h, q):
+    return h @ q["kernel"] + q["bias"]
+  h = np_ln(x, p["ln1"])
+  b, l, w = h.shape
+  q, k, v = (lin(h, p["attn"][n]).reshape(b, l, heads, w // heads).transpose(0, 2, 1, 3) for n in "qkv")
+  s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(w // heads)
+  if causal:
+    s = np.where(np.tril(np.ones((l, l), bool)), s, -np.inf)
+  a = np.exp(s - s.max(-1, keepdims=True))
+  a /= a.sum(-1, keepdims=True)
+  o = (a @ v).transpose(0, 2, 1, 3).reshape(b, l, w)
+  x = x + lin(o, p["attn"]["out"])
+  h = lin(np_ln(x, p["ln2"]), p["fc1"])
+  h = h / (1 + np.exp(-1.702 * h)) if act == "quick_gelu" else 0.5 * h * (1 + np.vectorize(math.erf)(h / math.sqrt(2)))
+  return x + lin(h, p["fc2"])
+
+
+def np_encode_image(p, cfg, pixels):
+  b, n = pixels.shape[0], cfg.image_size // cfg.patch_size
+  ps = cfg.patch_size
+  patches = pixels.reshape(b, n, ps, n, ps, 3).transpose(0, 1, 3, 2, 4, 5).reshape(b, n * n, ps * ps * 3)
+  x = patches @ p["patch_embed"]["kernel"].reshape(ps * ps * 3, -1)
+  x = np.concatenate([np.broadcast_to(p["class_embedding"], (b, 1, x.shape[-1])), x], 1) + p["vision_positions"]
+  x = np_ln(x, p["ln_pre"])
+  for i in range(cfg.vision_layers):
+    x = np_block(x, p["vision"]["blocks"][i], cfg.vision_heads, False, cfg.act)
+  f = np_ln(x[:, 0], p["ln_post"]) @ p["visual_projection"]
+  return f / np.linalg.norm(f, axis=-1, keepdims=True)
+
+
+def np_encode_text(p, cfg, tokens):
+  x = p["token_embedding"]["embedding"][tokens] + p["text_positions"][:tokens.shape[1]]
+  for i in range(cfg.text_layers):
+    x = np_block(x, p["text"]["blocks"][i], cfg.text_heads, True, cfg.act)
+  x = np_ln(x, p["ln_final"])
+  eot = np.argmax(tokens == cfg.eot_token_id, axis=1)
+  f = x[np.arange(len(tokens)), eot] @ p["text_projection"]
+  return f / np.linalg.norm(f, axis=-1, keepdims=True)
+
+
+def _tokens(rng, n, cfg):
+  toks = np.zeros((n, cfg.text_context), np.int32)
+  for i in range(n):
+    length = rng.integers(2, cfg.text_context - 1)
+    toks[i, 0] = 2
+    toks[i, 1:length] = rng.integers(4, cfg.vocab_size, length - 1)
+    toks[i, length] = cfg.eot_token_id
+  return toks
+
+
+@pytest.fixture(scope="module", params=["quick_gelu", "gelu"])
+def model(request):
+  cfg = CLIPConfig(**{**CFG.__dict__, "act": request.param})
+  graphdef, params = init_params(cfg, 0)
+  return cfg, graphdef, params
+
+
+def test_matches_numpy_reference(model):
+  cfg, graphdef, params = model
+  rng = np.random.default_rng(0)
+  pixels = rng.normal(size=(3, cfg.image_size, cfg.image_size, 3)).astype(np.float32)
+  tokens = _tokens(rng, 4, cfg)
+  m = bind(graphdef, params)
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  np.testing.assert_allclose(m.encode_image(pixels), np_encode_image(p, cfg, pixels.astype(np.float64)), atol=2e-5)
+  np.testing.assert_allclose(m.encode_text(tokens), np_encode_text(p, cfg, tokens), atol=2e-5)
+
+
+def test_text_is_causal_and_pooled_at_eot(model):
+  cfg, graphdef, params = model
+  m = bind(graphdef, params)
+  tokens = _tokens(np.random.default_rng(1), 2, cfg)
+  eot = int(np.argmax(tokens[0] == cfg.eot_token_id))
+  after = tokens.copy()
+  after[0, eot + 1:] = 7  # tokens after the end-of-text token cannot matter
+  before = tokens.copy()
+  before[0, 1] = 5 if tokens[0, 1] != 5 else 6
+  base = np.asarray(m.encode_text(tokens))
+  np.testing.assert_allclose(m.encode_text(after), base, atol=1e-6)
+  assert np.abs(np.asarray(m.encode_text(before))[0] - base[0]).max() > 1e-4
+
+
+def test_embeddings_are_unit_norm_and_scale_is_clip_init(model):
+  cfg, graphdef, params = model
+  m = bind(graphdef, params)
+  e = np.asarray(m.encode_image(np.ones((2, cfg.image_size, cfg.image_size, 3), np.float32)))
+  np.testing.assert_allclose(np.linalg.norm(e, axis=-1), 1.0, rtol=1e-5)
+  np.testing.assert_allclose(m.scale(), 1 / 0.07, rtol=1e-5)
+  big = dict(params, logit_scale=jnp.float32(10.0))
+  assert float(bind(graphdef, big).scale()) == 100.0  # clamped
+
+
+@pytest.mark.parametrize("preset,millions", [("vit_b16", 149.62), ("vit_l14", 427.62)])
+def test_preset_sizes_match_openai_clip(preset, millions):
+  """OpenAI CLIP ViT-B/16 has 149.62M and ViT-L/14 427.62M parameters (as open_clip reports)."""
+  _, params = abstract_model(PRESETS[preset])
+  n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+  assert abs(n / 1e6 - millions) < 0.005, n
+
+
+def test_long_context_preset_builds():
+  cfg = CLIPConfig(**{**PRESETS["vit_l14"].__dict__, "text_context": 248})
+  _, params = abstract_model(cfg)
+  assert params["text_positions"].shape == (248, 768)
+
+
+def test_config_validation_names_the_field():
+  with pytest.raises(ValueError, match="vision_width=30 is not divisible by config.model.vision_heads=4"):
+    CLIPConfig(**{**CFG.__dict__, "vision_width": 30}).validate()
+  with pytest.raises(ValueError, match=r"config.model.text_layers=0 must be positive"):
+    CLIPConfig(**{**CFG.__dict__, "text_layers": 0}).validate()
+  with pytest.raises(ValueError, match="act='relu'"):
+    CLIPConfig(**{**CFG.__dict__, "act": "relu"}).validate()

@@ -1,0 +1,104 @@
+"""train.py and eval.py end to end (subprocesses, the tiny `configs/demo.py:test` variant)."""
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import run_py
+
+CONFIG = "configs/demo.py:test"
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tfds_dir):
+  workdir = str(tmp_path_factory.mktemp("run"))
+  proc = run_py(["train.py", "--config", CONFIG, "--workdir", workdir, f"--config.data.data_dir={tfds_dir}"])
+  return workdir, proc
+
+
+def test_train_writes_metrics_checkpoints_and_events(trained):
+  workdir, proc = trained
+  rows = _metrics(workdir)
+  train_rows = [r for r in rows if "loss" in r]
+  assert [r["step"] for r in train_rows] == [2, 4, 6]
+  assert all(r["loss"] > 0 and r["lr"] >= 0 for r in train_rows)
+  assert [r["step"] for r in rows if "eval/t2i/R@1" in r] == [3, 6]
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3", "6"]
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(workdir, "tensorboard")))
+  assert "steps/s" in proc.stdout and "ETA" in proc.stdout
+
+
+def test_rerun_resumes_and_matches_uninterrupted_run(trained, tmp_path, tfds_dir):
+  workdir, _ = trained
+  resumed = str(tmp_path / "resumed")
+  shutil.copytree(workdir, resumed)
+  shutil.rmtree(os.path.join(resumed, "checkpoints", "6"))  # as if killed after the step-3 checkpoint
+  proc = run_py(["train.py", "--config", CONFIG, "--workdir", resumed, f"--config.data.data_dir={tfds_dir}"])
+  assert "resumed from" in proc.stdout and "(step 3)" in proc.stdout
+  a, b = _metrics(workdir), _metrics(resumed)
+  assert [r["step"] for r in b] == [r["step"] for r in a]  # no gaps, no duplicated steps
+  for ra, rb in zip(a, b):
+    assert ra.keys() == rb.keys()
+    for k in ra:
+      assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k)
+
+
+def test_eval_restores_and_reports_recall(trained, tfds_dir):
+  workdir, _ = trained
+  proc = run_py(["eval.py", "--config", CONFIG, "--workdir", workdir, f"--config.data.data_dir={tfds_dir}"])
+  with open(os.path.join(workdir, "eval_results.json")) as f:
+    res = json.load(f)
+  assert res["step"] == 6 and res["dataset"] == "synthetic" and res["split"] == "test" and res["num_pairs"] == 40
+  for d in ("t2i", "i2t"):
+    assert set(res[d]) == {"R@1", "R@5", "R@10"}
+    assert 0 <= res[d]["R@1"] <= res[d]["R@5"] <= res[d]["R@10"] <= 100
+  # The same checkpoint was evaluated at the end of training: identical numbers.
+  last = [r for r in _metrics(workdir) if r["step"] == 6 and "eval/t2i/R@1" in r][0]
+  for d in ("t2i", "i2t"):
+    for k in ("R@1", "R@5", "R@10"):
+      assert res[d][k] == pytest.approx(last[f"eval/{d}/{k}"])
+  assert "text->image" in proc.stdout
+  bad = run_py(["eval.py", "--config", CONFIG, "--workdir", workdir, "--step", "5",
+                f"--config.data.data_dir={tfds_dir}"], check=False)
+  assert bad.returncode == 2 and "--step=5 has no checkpoint" in bad.stderr and "[3, 6]" in bad.stderr
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--config.loss.gama=0", 'Did you mean "gamma"'),
+    ("--config.batch_size=0", "config.batch_size=0 must be positive"),
+    ("--config.model.text_layers=-1", "config.model.text_layers=-1 must be positive"),
+    ("--config.mesh.data=3", "multiplies to 3 but there are 1 devices"),
+])
+def test_bad_config_is_named(tmp_path, override, message):
+  proc = run_py(["train.py", "--config", CONFIG, "--workdir", str(tmp_path), override], check=False)
+  assert proc.returncode != 0 and message in proc.stderr
+  assert "Traceback" not in proc.stderr or "gama" in override  # config_flags itself raises on unknown keys
+
+
+def test_unknown_key_in_config_file(tmp_path):
+  cfg = tmp_path / "cfg.py"
+  cfg.write_text("from configs.demo import get_config as g\n"
+                 "def get_config():\n  c = g('test'); c.unlock(); c.optimizer.learning_rate = 1.0; return c\n")
+  proc = run_py(["train.py", "--config", str(cfg), "--workdir", str(tmp_path / "w")], check=False)
+  assert proc.returncode == 2 and "unknown config key config.optimizer.learning_rate" in proc.stderr
+
+
+def test_batch_not_divisible_by_devices(tmp_path):
+  proc = run_py(["train.py", "--config", CONFIG, "--workdir", str(tmp_path), "--config.batch_size=12"],
+                devices=8, check=False)
+  assert proc.returncode == 2 and "config.batch_size=12 is not divisible by the 8 batch shards" in proc.stderr
+
+
+def test_incompatible_checkpoint_is_refused(trained, tfds_dir):
+  workdir, _ = trained
+  for script in ("train.py", "eval.py"):
+    proc = run_py([script, "--config", CONFIG, "--workdir", workdir, "--config.model.text_width=64",
+                   f"--config.data.data_dir={tfds_dir}"], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "written for a different model" in proc.stderr and "text_width: checkpoint=32, config=64" in proc.stderr
