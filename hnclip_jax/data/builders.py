@@ -48,27 +48,27 @@ class HnclipSynthetic(tfds.core.GeneratorBasedBuilder):
       yield image_id, {"image": png, "caption": cap, "image_id": image_id, "group_id": group}
 
 
-def synthetic_builder(data_dir: str, num_train: int, num_test: int, group_size: int, image_size: int, seed: int):
-  name = f"tr{num_train}_te{num_test}_g{group_size}_px{image_size}_s{seed}"
-  cfg = SyntheticConfig(name=name, num_train=num_train, num_test=num_test, group_size=group_size,
-                        image_size=image_size, seed=seed)
-  return HnclipSynthetic(config=cfg, data_dir=data_dir or None, file_format="array_record")
+def _synthetic_config(d) -> SyntheticConfig:
+  name = f"tr{d.num_train}_te{d.num_test}_g{d.group_size}_px{d.image_size}_s{d.seed}"
+  return SyntheticConfig(name=name, num_train=d.num_train, num_test=d.num_test, group_size=d.group_size,
+                         image_size=d.image_size, seed=d.seed)
 
 
-def get_builder(data_config):
-  """Returns the TFDS builder that `config.data` names (prepared on first use)."""
-  if data_config.name == "synthetic":
-    return synthetic_builder(data_config.data_dir, data_config.num_train, data_config.num_test,
-                             data_config.group_size, data_config.image_size, data_config.seed)
-  raise ValueError(f"config.data.name={data_config.name!r} is not a known dataset; known: ['synthetic']")
+# config.data.name -> (TFDS builder name, function of config.data -> builder kwargs)
+DATASETS = {
+    "synthetic": (HnclipSynthetic.name, lambda d: {"config": _synthetic_config(d)}),
+}
 
 
 def data_source(data_config, split: str, decode_images: bool = True):
-  """Random-access source of `split`: items are dicts with image (uint8 [H,W,3]), caption (bytes), image_id."""
-  builder = get_builder(data_config)
-  builder.download_and_prepare()
-  if split not in builder.info.splits:
-    raise ValueError(f"split {split!r} does not exist in dataset {data_config.name!r}; "
-                     f"available: {sorted(builder.info.splits)}")
-  decoders = None if decode_images else {"image": tfds.decode.SkipDecoding()}
-  return builder.as_data_source(split=split, decoders=decoders)
+  """Random-access source of `split` (prepared on first use): dicts with image uint8 [H,W,3], caption bytes, image_id."""
+  if data_config.name not in DATASETS:
+    raise ValueError(f"config.data.name={data_config.name!r} is not a known dataset; known: {sorted(DATASETS)}")
+  tfds_name, kwargs = DATASETS[data_config.name]
+  sources = tfds.data_source(
+      tfds_name, data_dir=data_config.data_dir or None,
+      builder_kwargs={**kwargs(data_config), "file_format": "array_record"},
+      decoders=None if decode_images else {"image": tfds.decode.SkipDecoding()})
+  if split not in sources:
+    raise ValueError(f"split {split!r} does not exist in dataset {data_config.name!r}; available: {sorted(sources)}")
+  return sources[split]
