@@ -10,13 +10,14 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from hnclip_jax.cli import clean_errors
+from hnclip_jax.cli import clean_errors, define_distributed_flags
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file the run was trained with.", lock_config=True)
 flags.DEFINE_string("workdir", None, "The training workdir (checkpoints/ and tokenizer/).")
 flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest).")
 flags.DEFINE_string("split", None, "Split to evaluate (default: config.data.eval_split).")
+define_distributed_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -35,7 +36,9 @@ def main(argv):
   if not os.path.isdir(workdir):
     raise FileNotFoundError(f"--workdir={workdir} does not exist; pass the directory train.py wrote to")
   experiment.enable_compilation_cache(config.compilation_cache_dir)
+  experiment.maybe_initialize_distributed()
   mesh = sharding.make_mesh(config.mesh)
+  rules = sharding.parse_rules(config.mesh.rules)
   split = FLAGS.split or config.data.eval_split
 
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.max_to_keep)
@@ -49,12 +52,13 @@ def main(argv):
   tokenizer = experiment.get_tokenizer(config, workdir, fit_if_missing=False)
   model_cfg = experiment.model_config(config, tokenizer)
   experiment.check_compatible(ckpt.read_meta(step), model_cfg, f"{ckpt.directory}/{step}")
+  sharding.check_model_fits(model_cfg, mesh, rules)
   graphdef, abstract_params = abstract_model(model_cfg)
-  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding.replicated(mesh)),
-                        abstract_params)
+  param_sh = sharding.state_shardings({"params": abstract_params}, "params", mesh, rules)["params"]
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, param_sh)
   params = ckpt.restore_params(step, target)
   source = builders.data_source(config.data, split)
-  res = experiment.evaluate(params, train_step.make_embed_fn(graphdef, mesh), source, tokenizer, model_cfg, mesh,
+  res = experiment.evaluate(params, train_step.make_embed_fn(graphdef, mesh, param_sh), source, tokenizer, model_cfg, mesh,
                             config.eval_batch_size)
   out = {"step": int(step), "dataset": config.data.name, "split": split, "num_pairs": res["num_pairs"],
          "t2i": res["t2i"], "i2t": res["i2t"]}

@@ -8,11 +8,12 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from hnclip_jax.cli import clean_errors
+from hnclip_jax.cli import clean_errors, define_distributed_flags
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file (get_config()).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and the tokenizer go. Rerun to resume.")
+define_distributed_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -31,9 +32,12 @@ def main(argv):
   workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
   os.makedirs(workdir, exist_ok=True)
   experiment.enable_compilation_cache(config.compilation_cache_dir)
+  experiment.maybe_initialize_distributed()
   mesh = sharding.make_mesh(config.mesh)
+  rules = sharding.parse_rules(config.mesh.rules)
   sharding.check_batch_size(config.batch_size, mesh)
   sharding.check_batch_size(config.eval_batch_size, mesh, "config.eval_batch_size")
+  train_step.check_accumulation(config, mesh)
   log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, "
       f"{jax.process_count()} process(es)")
 
@@ -42,6 +46,7 @@ def main(argv):
   eval_source = builders.data_source(config.data, config.data.eval_split)
   tokenizer = experiment.get_tokenizer(config, workdir, fit_if_missing=True)
   model_cfg = experiment.model_config(config, tokenizer)
+  sharding.check_model_fits(model_cfg, mesh, rules)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.max_to_keep)
   latest = ckpt.latest_step()
   if latest is not None:
@@ -52,7 +57,7 @@ def main(argv):
   tx = train_step.make_optimizer(config.optimizer, config.total_steps)
   schedule = train_step.lr_schedule(config.optimizer, config.total_steps)
   abstract_state = jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract_params)
-  shardings = train_step.state_shardings(abstract_state, mesh)
+  shardings = sharding.state_shardings(abstract_state, "params", mesh, rules)
   if latest is None:
     state = jax.jit(lambda: train_step.init_state(init_params(model_cfg, config.seed)[1], tx),
                     out_shardings=shardings)()
@@ -65,8 +70,8 @@ def main(argv):
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   log(f"model: {n_params / 1e6:.2f}M parameters, {model_cfg}")
 
-  step_fn = train_step.make_train_step(graphdef, tx, mesh, config.loss.gamma, schedule, abstract_state)
-  embed_fn = train_step.make_embed_fn(graphdef, mesh)
+  step_fn = train_step.make_train_step(graphdef, tx, mesh, config, schedule, shardings)
+  embed_fn = train_step.make_embed_fn(graphdef, mesh, shardings["params"])
   meta = {"model": dataclasses.asdict(model_cfg), "tokenizer": tokenizer.kind, "mesh": dict(mesh.shape),
           "config": json.loads(config.to_json())}
   writer = MetricsWriter(workdir)
@@ -86,7 +91,8 @@ def main(argv):
 
   # ---- Training loop ---------------------------------------------------------
   progress = Progress(start, config.total_steps)
-  log(f"training steps {start} -> {config.total_steps}, global batch {config.batch_size}, "
+  log(f"training steps {start} -> {config.total_steps}, global batch {config.batch_size} "
+      f"({config.grad_accum_steps} micro-batches, negatives over the {config.loss.negatives.replace('_', ' ')}), "
       f"gamma={config.loss.gamma}")
   for step in range(start + 1, config.total_steps + 1):
     state, metrics = step_fn(state, sharding.to_global(next(batches), mesh))

@@ -20,3 +20,13 @@ def clean_errors(main):
       sys.exit(2)
 
   return wrapped
+
+
+def define_distributed_flags() -> None:
+  """Flags for launching one process of a multi-process (multi-host) job."""
+  from absl import flags
+  flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for multi-process runs.")
+  flags.DEFINE_integer("num_processes", None, "Number of processes in a multi-process run.")
+  flags.DEFINE_integer("process_id", None, "This process's index in a multi-process run.")
+  flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() with cluster auto-detection "
+                    "(TPU pods, SLURM, ...).")

@@ -34,7 +34,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.workers = 0  # grain worker processes (0: threads in the main process)
   c.compilation_cache_dir = "~/.cache/hnclip_jax/xla"  # "" disables the persistent XLA cache
 
-  c.loss = ml_collections.ConfigDict({"gamma": 0.5})
+  c.grad_accum_steps = 1  # micro-batches per step, accumulated inside the jitted step
+  # negatives: which batch Ḡ and the negatives span when grad_accum_steps > 1 ("micro_batch" | "global_batch").
+  # chunk_size: rows of the loss computed at a time per device (0: all at once).
+  c.loss = ml_collections.ConfigDict({"gamma": 0.5, "negatives": "global_batch", "chunk_size": 0})
   c.optimizer = ml_collections.ConfigDict({
       "lr": 5e-4, "weight_decay": 0.1, "warmup_steps": 50,
       "b1": 0.9, "b2": 0.98, "eps": 1e-6, "grad_clip_norm": 1.0})
@@ -44,14 +47,16 @@ def base_config() -> ml_collections.ConfigDict:
       # Synthetic data only:
       "num_train": 4096, "num_test": 512, "group_size": 4, "image_size": 64, "seed": 0})
   # Device mesh: axis sizes; one may be -1 (= all remaining devices). The batch is split over data × fsdp.
-  c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
+  # rules: logical parameter axis -> mesh axis (see hnclip_jax/sharding.py).
+  c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1,
+                                      "rules": "embed=fsdp,heads=tensor,mlp=tensor,vocab=tensor"})
   return c
 
 
-POSITIVE = ("batch_size", "total_steps", "log_every", "checkpoint_every", "eval_every", "max_to_keep",
+POSITIVE = ("batch_size", "grad_accum_steps", "total_steps", "log_every", "checkpoint_every", "eval_every", "max_to_keep",
             "eval_batch_size", "data.num_train", "data.num_test", "data.group_size", "data.image_size",
             "optimizer.lr")
-NON_NEGATIVE = ("workers", "optimizer.weight_decay", "optimizer.warmup_steps", "loss.gamma")
+NON_NEGATIVE = ("workers", "loss.chunk_size", "optimizer.weight_decay", "optimizer.warmup_steps", "loss.gamma")
 
 
 def _flatten(cfg, prefix=""):

@@ -22,6 +22,24 @@ def enable_compilation_cache(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def maybe_initialize_distributed() -> None:
+  """Joins a multi-process job: from --coordinator_address/--num_processes/--process_id, the JAX_COORDINATOR_ADDRESS/
+  JAX_NUM_PROCESSES/JAX_PROCESS_ID environment variables, or --distributed (cluster auto-detection on TPU pods/SLURM).
+  """
+  from absl import flags
+  f = flags.FLAGS
+  addr = f.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if addr:
+    num = f.num_processes if f.num_processes is not None else int(os.environ.get("JAX_NUM_PROCESSES", "0"))
+    pid = f.process_id if f.process_id is not None else int(os.environ.get("JAX_PROCESS_ID", "-1"))
+    if num <= 0 or pid < 0:
+      raise ValueError(f"coordinator address {addr} given, but not the process count and id: pass --num_processes "
+                       "and --process_id (or JAX_NUM_PROCESSES and JAX_PROCESS_ID)")
+    jax.distributed.initialize(coordinator_address=addr, num_processes=num, process_id=pid)
+  elif f.distributed:
+    jax.distributed.initialize()
+
+
 def tokenizer_dir(workdir: str) -> str:
   return os.path.join(workdir, "tokenizer")
 
@@ -44,11 +62,14 @@ def get_tokenizer(config, workdir: str, *, fit_if_missing: bool):
   return tok
 
 
+VOCAB_MULTIPLE = 128
+
+
 def model_config(config, tokenizer) -> CLIPConfig:
   """config.model with the tokenizer's vocabulary filled in where it says 0 / -1."""
   d = dict(config.model)
-  if d["vocab_size"] == 0:
-    d["vocab_size"] = tokenizer.vocab_size
+  if d["vocab_size"] == 0:  # rounded up so the embedding splits over any tensor-parallel size
+    d["vocab_size"] = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
   if d["eot_token_id"] == -1:
     d["eot_token_id"] = tokenizer.eot_id
   if d["vocab_size"] < tokenizer.vocab_size:

@@ -54,13 +54,17 @@ def clip_loss(img_emb, txt_emb, logit_scale):
   return hn_clip_loss(img_emb, txt_emb, logit_scale, 0.0)
 
 
-def sharded_hn_clip_loss(img_emb, txt_emb, logit_scale, gamma, mesh, batch_axes: Sequence[str]):
+def sharded_hn_clip_loss(img_emb, txt_emb, logit_scale, gamma, mesh, batch_axes: Sequence[str],
+                         chunk_size: int | None = None):
   """HN-CLIP loss of a batch sharded over `batch_axes` of `mesh`. Same value and gradient as `hn_clip_loss`.
 
   img_emb, txt_emb: [B, D] global arrays sharded along B. Each device gathers
   the whole batch, builds only its own [B/n_dev, B] rows of S and Ḡ, and the
   per-device sums are reduced with psum: no device holds the B×B logits. The
   gather's transpose is a reduce-scatter, so gradients stay sharded.
+  chunk_size: if set (must divide B/n_dev), rows are processed `chunk_size` at a
+  time under rematerialisation, so at most [chunk_size, B] logits are live, in
+  the forward and the backward pass.
   Returns (loss scalar, per-example i2t [B], per-example t2i [B]).
   """
   axes = tuple(batch_axes)
@@ -71,7 +75,22 @@ def sharded_hn_clip_loss(img_emb, txt_emb, logit_scale, gamma, mesh, batch_axes:
     img_all = jax.lax.all_gather(img, axes, axis=0, tiled=True)  # [B, D]
     txt_all = jax.lax.all_gather(txt, axes, axis=0, tiled=True)  # [B, D]
     offset = jax.lax.axis_index(axes) * n
-    i2t, t2i = contrastive_rows(img, txt, img_all, txt_all, scale, gamma, offset)
+    if chunk_size is None or chunk_size >= n:
+      i2t, t2i = contrastive_rows(img, txt, img_all, txt_all, scale, gamma, offset)
+    else:
+      if n % chunk_size:
+        raise ValueError(f"config.loss.chunk_size={chunk_size} must divide the per-device batch {n}")
+
+      @jax.checkpoint
+      def block(k, img_c, txt_c):
+        return contrastive_rows(img_c, txt_c, img_all, txt_all, scale, gamma, offset + k * chunk_size)
+
+      def body(_, xs):
+        return None, block(*xs)
+
+      split = lambda x: x.reshape(n // chunk_size, chunk_size, x.shape[-1])
+      _, (i2t, t2i) = jax.lax.scan(body, None, (jnp.arange(n // chunk_size), split(img), split(txt)))
+      i2t, t2i = i2t.reshape(n), t2i.reshape(n)
     loss = jax.lax.psum(jnp.sum(i2t) + jnp.sum(t2i), axes) / (2 * batch)
     return loss, i2t, t2i
 

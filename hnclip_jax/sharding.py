@@ -1,7 +1,15 @@
-"""Device mesh from config and the shardings of batches and parameters."""
+"""Every sharding decision in one place: the mesh from config, logical axes of parameters, and batch layout.
+
+Parameters carry *logical* axis names (`LOGICAL_AXES`, matched on their path);
+`config.mesh.rules` maps logical names to mesh axes. The defaults give FSDP
+over `fsdp` (weights split along the model width) and Megatron-style tensor
+parallelism over `tensor` (attention heads, MLP hidden units, vocabulary).
+The batch is split over data × fsdp.
+"""
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import numpy as np
@@ -9,6 +17,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the global batch is split over these
+DEFAULT_RULES = "embed=fsdp,heads=tensor,mlp=tensor,vocab=tensor"
+
+# (regex on the "/"-joined parameter path, logical axis per dimension); first match wins.
+# "norm" and None are never sharded (small vectors are not worth a collective).
+LOGICAL_AXES = (
+    (r"attn/(q|k|v)/kernel$", ("embed", "heads")),
+    (r"attn/(q|k|v)/bias$", ("heads",)),
+    (r"attn/out/kernel$", ("heads", "embed")),
+    (r"fc1/kernel$", ("embed", "mlp")),
+    (r"fc1/bias$", ("mlp",)),
+    (r"fc2/kernel$", ("mlp", "embed")),
+    (r"patch_embed/kernel$", (None, None, None, "embed")),
+    (r"(vision|text)_positions$", (None, "embed")),
+    (r"(visual|text)_projection$", ("embed", None)),
+    (r"token_embedding/embedding$", ("vocab", "embed")),
+    (r"(bias|scale|class_embedding|logit_scale)$", "replicated"),
+)
 
 
 def mesh_shape(mesh_config, num_devices: int) -> tuple[int, int, int]:
@@ -32,6 +57,19 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 
+def parse_rules(rules: str) -> dict:
+  """'embed=fsdp,heads=tensor' -> {'embed': 'fsdp', 'heads': 'tensor'}; a mesh axis may be 'none'."""
+  out = {}
+  for item in filter(None, (r.strip() for r in rules.split(","))):
+    if "=" not in item:
+      raise ValueError(f"config.mesh.rules item {item!r} is not 'logical=mesh_axis'")
+    logical, axis = (s.strip() for s in item.split("=", 1))
+    if axis not in MESH_AXES + ("none",):
+      raise ValueError(f"config.mesh.rules maps {logical!r} to {axis!r}; mesh axes are {MESH_AXES} or 'none'")
+    out[logical] = None if axis == "none" else axis
+  return out
+
+
 def batch_shards(mesh: Mesh) -> int:
   return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
@@ -52,9 +90,72 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def param_shardings(params, mesh: Mesh):
-  """Shardings of a params-shaped tree (data parallelism: replicated)."""
-  return jax.tree.map(lambda _: replicated(mesh), params)
+def _path_str(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def logical_axes(path: str, ndim: int):
+  for pattern, axes in LOGICAL_AXES:
+    if re.search(pattern, path):
+      axes = (None,) * ndim if axes == "replicated" else axes
+      if len(axes) != ndim:
+        raise ValueError(f"parameter {path} has {ndim} dims but its logical axes are {axes}")
+      return axes
+  raise ValueError(f"parameter {path} has no logical axes in hnclip_jax/sharding.py LOGICAL_AXES; add a rule")
+
+
+def check_model_fits(model_cfg, mesh: Mesh, rules: dict) -> None:
+  """Megatron-style splits need whole heads and whole MLP columns per device; raises naming the config field."""
+  for logical, fields in (("heads", ("vision_heads", "text_heads")), ("mlp", ("vision_mlp_dim", "text_mlp_dim")),
+                          ("embed", ("vision_width", "text_width")), ("vocab", ("vocab_size",))):
+    axis = rules.get(logical)
+    if axis is None or mesh.shape[axis] == 1:
+      continue
+    for field in fields:
+      value = getattr(model_cfg, field)
+      if value % mesh.shape[axis]:
+        raise ValueError(f"config.model.{field}={value} cannot be split over mesh axis {axis!r} of size "
+                         f"{mesh.shape[axis]} (config.mesh.rules maps {logical!r} to it); choose a mesh.{axis} "
+                         f"that divides it or map {logical!r} to none")
+
+
+def param_specs(params, mesh: Mesh, rules: dict):
+  """PartitionSpec tree for a params(-shaped) tree; raises if a dimension does not divide its mesh axis."""
+
+  def spec(path, x):
+    name = _path_str(path)
+    axes = [rules.get(a) if a is not None else None for a in logical_axes(name, len(x.shape))]
+    for dim, axis in zip(x.shape, axes):
+      if axis is not None and dim % mesh.shape[axis]:
+        raise ValueError(f"parameter {name} {tuple(x.shape)}: a dimension of size {dim} cannot be split over "
+                         f"mesh axis {axis!r} of size {mesh.shape[axis]}")
+    return P(*axes)
+
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def state_shardings(abstract_state, params_key: str, mesh: Mesh, rules: dict):
+  """Shardings for a train state: params by their logical axes; optimizer moments like the parameter they follow.
+
+  An optimizer-state leaf follows the parameter whose path is a suffix of its own
+  path and has its shape (Adam's mu/nu); anything else (counters) is replicated.
+  """
+  specs = param_specs(abstract_state[params_key], mesh, rules)
+  by_path = {}
+  for path, s in jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]:
+    by_path[_path_str(path)] = s
+  shapes = {_path_str(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(abstract_state[params_key])[0]}
+
+  def shard(path, x):
+    name = _path_str(path)
+    parts = name.split("/")
+    for i in range(len(parts)):
+      suffix = "/".join(parts[i:])
+      if suffix in by_path and shapes[suffix] == x.shape:
+        return NamedSharding(mesh, by_path[suffix])
+    return replicated(mesh)
+
+  return jax.tree_util.tree_map_with_path(shard, abstract_state)
 
 
 def to_global(local_batch: dict, mesh: Mesh) -> dict:

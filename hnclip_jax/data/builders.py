@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import tensorflow_datasets as tfds
+from jax.experimental import multihost_utils
 
 from hnclip_jax.data import synthetic
 
@@ -65,9 +67,13 @@ def data_source(data_config, split: str, decode_images: bool = True):
   if data_config.name not in DATASETS:
     raise ValueError(f"config.data.name={data_config.name!r} is not a known dataset; known: {sorted(DATASETS)}")
   tfds_name, kwargs = DATASETS[data_config.name]
+  builder_kwargs = {**kwargs(data_config), "file_format": "array_record"}
+  if jax.process_count() > 1:  # one process prepares, the others wait and then only read
+    if jax.process_index() == 0:
+      tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **builder_kwargs).download_and_prepare()
+    multihost_utils.sync_global_devices(f"prepared {tfds_name}")
   sources = tfds.data_source(
-      tfds_name, data_dir=data_config.data_dir or None,
-      builder_kwargs={**kwargs(data_config), "file_format": "array_record"},
+      tfds_name, data_dir=data_config.data_dir or None, builder_kwargs=builder_kwargs,
       decoders=None if decode_images else {"image": tfds.decode.SkipDecoding()})
   if split not in sources:
     raise ValueError(f"split {split!r} does not exist in dataset {data_config.name!r}; available: {sorted(sources)}")

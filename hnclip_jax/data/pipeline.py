@@ -55,13 +55,20 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
 
 def eval_batches(source, tokenizer, *, image_size: int, batch_size: int, process_index: int = 0,
                  process_count: int = 1):
-  """Yields this process's share of `source` in fixed-size batches; the last is zero-padded with mask=False."""
+  """Yields this process's share of `source` in fixed-size batches, zero-padded with mask=False.
+
+  Every process yields the same number of batches (ceil(ceil(N / processes) / batch_size)), so collective
+  operations line up even when N is not divisible by the number of processes.
+  """
+  n_total = len(source)
+  num_batches = -(-(-(-n_total // process_count)) // batch_size)
   ds = grain.MapDataset.source(source)[process_index::process_count].map(_Preprocess(tokenizer, image_size))
   n = len(ds)
-  for start in range(0, n, batch_size):
-    items = [ds[i] for i in range(start, min(start + batch_size, n))]
+  template = ds[0] if n else _Preprocess(tokenizer, image_size).map(source[0])
+  for b in range(num_batches):
+    items = [ds[i] for i in range(b * batch_size, min((b + 1) * batch_size, n))]
     pad = batch_size - len(items)
-    batch = {k: np.stack([it[k] for it in items] + [np.zeros_like(items[0][k])] * pad) for k in items[0]}
+    batch = {k: np.stack([it[k] for it in items] + [np.zeros_like(template[k])] * pad) for k in template}
     batch["mask"] = np.arange(batch_size) < len(items)
     yield batch
 
