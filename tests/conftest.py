@@ -1,5 +1,6 @@
 """Shared test set-up: persistent compilation cache, repo on the path, helpers for subprocess runs."""
 import os
+import socket
 import subprocess
 import sys
 
@@ -15,13 +16,41 @@ jax.config.update("jax_compilation_cache_dir", CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def run_py(args, *, devices: int = 1, timeout: int = 600, check: bool = True, env_extra=None):
-  """Runs `python ARGS` from the repo root in a fresh process with `devices` fake CPU devices."""
+def _env(devices, env_extra=None):
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   env.update(env_extra or {})
+  return env
+
+
+def run_processes(args, *, num_processes: int, devices_per_process: int, timeout: int = 600):
+  """Runs `python ARGS` as a multi-process JAX job on 127.0.0.1; returns the processes' outputs."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen([sys.executable, *args, f"--coordinator_address=127.0.0.1:{port}",
+                             f"--num_processes={num_processes}", f"--process_id={i}"],
+                            cwd=ROOT, env=_env(devices_per_process), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i in range(num_processes)]
+  outs = []
+  try:
+    for p in procs:
+      outs.append(p.communicate(timeout=timeout))
+  finally:
+    for p in procs:
+      p.kill()
+  for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+    if p.returncode != 0:
+      raise AssertionError(f"process {i} of python {' '.join(args)} failed ({p.returncode}):\n{out[-3000:]}\n"
+                           f"{err[-6000:]}")
+  return outs
+
+
+def run_py(args, *, devices: int = 1, timeout: int = 600, check: bool = True, env_extra=None):
+  """Runs `python ARGS` from the repo root in a fresh process with `devices` fake CPU devices."""
+  env = _env(devices, env_extra)
   proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=timeout)
   if check and proc.returncode != 0:

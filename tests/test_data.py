@@ -135,14 +135,17 @@ def test_train_pipeline_is_deterministic_and_resumable(data_cfg, tokenizer):
                              (1 - pipeline.CLIP_MEAN) / pipeline.CLIP_STD, rtol=1e-6)
 
 
-def test_process_shards_are_disjoint(data_cfg, tokenizer):
+def test_process_shards_are_disjoint_and_form_the_global_batch(data_cfg, tokenizer):
   src = builders.data_source(data_cfg, "train")
-  ids = []
-  for p in range(2):
-    it = iter(pipeline.train_dataset(src, tokenizer, image_size=32, global_batch=16, seed=0, process_index=p,
-                                     process_count=2))
-    ids.append(np.concatenate([b["image_id"] for b in _take(it, 3)]))
-  assert len(ids[0]) == 24 and not set(ids[0]) & set(ids[1])
+  kw = dict(image_size=32, global_batch=16, seed=0)
+  single = [b["image_id"] for b in _take(iter(pipeline.train_dataset(src, tokenizer, **kw)), 4)]
+  parts = [[b["image_id"] for b in _take(iter(pipeline.train_dataset(src, tokenizer, process_index=p,
+                                                                     process_count=2, **kw)), 4)]
+           for p in range(2)]
+  for k in range(4):
+    assert len(parts[0][k]) == 8 and not set(parts[0][k]) & set(parts[1][k])
+    # The global batch does not depend on how many processes read it.
+    np.testing.assert_array_equal(np.concatenate([parts[0][k], parts[1][k]]), single[k])
 
 
 def test_eval_batches_pad_and_mask(data_cfg, tokenizer):
@@ -150,4 +153,10 @@ def test_eval_batches_pad_and_mask(data_cfg, tokenizer):
   batches = list(pipeline.eval_batches(src, tokenizer, image_size=32, batch_size=8))
   assert [b["mask"].sum() for b in batches] == [8, 8, 4]
   ids = np.concatenate([b["image_id"][b["mask"]] for b in batches])
+  assert sorted(ids.tolist()) == list(range(20))
+  # Three processes over 20 pairs (7, 7, 6): the same number of batches each, every pair exactly once.
+  shares = [list(pipeline.eval_batches(src, tokenizer, image_size=32, batch_size=4, process_index=p,
+                                       process_count=3)) for p in range(3)]
+  assert [len(s) for s in shares] == [2, 2, 2]
+  ids = np.concatenate([b["image_id"][b["mask"]] for s in shares for b in s])
   assert sorted(ids.tolist()) == list(range(20))

@@ -33,20 +33,35 @@ class _Preprocess(grain.transforms.Map):
             "image_id": np.int64(ex["image_id"])}
 
 
+class _LoadRows(grain.transforms.Map):
+  """Global batch of example indices -> this process's rows, read and preprocessed, stacked."""
+
+  def __init__(self, source, tokenizer, image_size, rows: slice):
+    self.source, self.pre, self.rows = source, _Preprocess(tokenizer, image_size), rows
+
+  def map(self, indices):
+    items = [self.pre.map(self.source[int(i)]) for i in indices[self.rows]]
+    return {k: np.stack([it[k] for it in items]) for k in items[0]}
+
+
 def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed: int, start_step: int = 0,
                   process_index: int = 0, process_count: int = 1, workers: int = 0, prefetch: int = 4):
   """Infinite iterator of this process's batches: image f32 [b,H,W,3], tokens int32 [b,L], b = global_batch / processes.
 
-  Epochs are reshuffled from `seed`; batch k is a pure function of (seed, k), so
-  starting at `start_step` resumes the exact stream of an uninterrupted run.
+  The global batch order is shuffled per epoch from `seed` and does not depend on
+  the number of processes: batch k is the same set of examples whether 1 or 64
+  hosts read it, each host reading only its own rows. Batch k is a pure function
+  of (seed, k), so `start_step` resumes the exact stream of an uninterrupted run.
   """
-  local_batch = global_batch // process_count
-  ds = grain.MapDataset.source(source)[process_index::process_count]
-  if len(ds) < local_batch:
-    raise ValueError(f"the training split has {len(ds)} examples per process, fewer than one batch "
-                     f"({local_batch}); lower config.batch_size")
-  ds = (ds.shuffle(seed=seed).map(_Preprocess(tokenizer, image_size))
-        .batch(local_batch, drop_remainder=True).repeat()[start_step:])
+  if global_batch % process_count:
+    raise ValueError(f"config.batch_size={global_batch} is not divisible by the {process_count} processes")
+  local = global_batch // process_count
+  if len(source) < global_batch:
+    raise ValueError(f"the training split has {len(source)} examples, fewer than one batch ({global_batch}); "
+                     "lower config.batch_size")
+  rows = slice(process_index * local, (process_index + 1) * local)
+  ds = (grain.MapDataset.range(len(source)).shuffle(seed=seed).batch(global_batch, drop_remainder=True)
+        .repeat()[start_step:].map(_LoadRows(source, tokenizer, image_size, rows)))
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, prefetch), prefetch_buffer_size=prefetch))
   if workers > 0:
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))

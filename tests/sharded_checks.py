@@ -1,0 +1,110 @@
+"""Run as a script with 8 fake CPU devices (tests/test_sharding.py does); prints one JSON line of measurements."""
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from hnclip_jax import losses, sharding, train_step
+from hnclip_jax.models import CLIPConfig, init_params
+
+LAYOUTS = [(8, 1, 1), (2, 4, 1), (1, 8, 1), (2, 2, 2), (4, 1, 2)]
+CFG = CLIPConfig(embed_dim=16, image_size=16, patch_size=8, vision_width=32, vision_layers=1, vision_heads=4,
+                 vision_mlp_dim=64, text_context=8, vocab_size=64, text_width=32, text_layers=1, text_heads=4,
+                 text_mlp_dim=64, eot_token_id=3)
+RULES = sharding.parse_rules(sharding.DEFAULT_RULES)
+out = {}
+
+
+def mesh_of(shape):
+  n = int(np.prod(shape))
+  return Mesh(np.array(jax.devices()[:n]).reshape(shape), sharding.MESH_AXES)
+
+
+def max_rel(a, b):
+  """Largest gradient difference relative to the largest reference gradient entry (key biases have exactly-zero
+  true gradients, so a per-leaf ratio would divide round-off by round-off)."""
+  a, b = [np.asarray(x) for x in jax.tree.leaves(a)], [np.asarray(x) for x in jax.tree.leaves(b)]
+  assert len(a) == len(b)
+  return max(float(np.abs(x - y).max()) for x, y in zip(a, b)) / max(float(np.abs(y).max()) for y in b)
+
+
+graphdef, params = init_params(CFG, 0)
+rng = np.random.default_rng(0)
+B = 16
+batch = {"image": rng.normal(size=(B, 16, 16, 3)).astype(np.float32),
+         "tokens": np.concatenate([np.full((B, 1), 2), rng.integers(4, 64, (B, 6)), np.full((B, 1), 3)], 1)
+         .astype(np.int32)}
+
+
+def grads_on(shape, accum=1, negatives="global_batch", chunk=None, gamma=0.5):
+  mesh = mesh_of(shape)
+  abstract = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)}
+  psh = sharding.state_shardings(abstract, "params", mesh, RULES)["params"]
+  fn = train_step.make_grad_fn(graphdef, mesh, gamma, chunk, accum, negatives)
+  bsh = sharding.batch_sharding(mesh)
+  f = jax.jit(fn, in_shardings=(psh, bsh), out_shardings=(sharding.replicated(mesh), psh))
+  loss, grads = f(jax.device_put(params, psh), jax.device_put(batch, bsh))
+  return float(loss), jax.device_get(grads), psh
+
+
+ref_loss, ref_grads, _ = grads_on((1, 1, 1))
+out["layouts"] = {}
+for shape in LAYOUTS:
+  loss, grads, psh = grads_on(shape)
+  out["layouts"][str(shape)] = {"loss_rel": abs(loss - ref_loss) / ref_loss, "grad_rel": max_rel(grads, ref_grads)}
+  if shape == (2, 2, 2):
+    blk = psh["text"]["blocks"][0]
+    out["specs"] = {"q_kernel": str(blk["attn"]["q"]["kernel"].spec), "out_kernel": str(blk["attn"]["out"]["kernel"].spec),
+                    "fc1_kernel": str(blk["fc1"]["kernel"].spec), "fc2_kernel": str(blk["fc2"]["kernel"].spec),
+                    "ln1_scale": str(blk["ln1"]["scale"].spec), "token_embedding": str(psh["token_embedding"]["embedding"].spec),
+                    "logit_scale": str(psh["logit_scale"].spec)}
+
+# Optimizer state follows the parameters.
+mesh = mesh_of((2, 2, 2))
+tx = train_step.make_optimizer(ml_collections.ConfigDict(dict(lr=1e-3, weight_decay=0.1, warmup_steps=1, b1=0.9, b2=0.98,
+                                                              eps=1e-6, grad_clip_norm=1.0)), 10)
+abstract_state = jax.eval_shape(lambda p: train_step.init_state(p, tx), params)
+ssh = sharding.state_shardings(abstract_state, "params", mesh, RULES)
+mu = ssh["opt_state"][1][0].mu
+out["opt_mu_q_kernel"] = str(mu["vision"]["blocks"][0]["attn"]["q"]["kernel"].spec)
+out["opt_count"] = str(ssh["opt_state"][1][0].count.spec)
+
+# Gradient accumulation.
+out["accum"] = {}
+for shape, a in [((8, 1, 1), 2), ((2, 2, 2), 2), ((2, 2, 2), 4)]:
+  loss, grads, _ = grads_on(shape, accum=a, negatives="global_batch")
+  out["accum"][f"global_batch x{a} {shape}"] = {"loss_rel": abs(loss - ref_loss) / ref_loss,
+                                                "grad_rel": max_rel(grads, ref_grads)}
+loss_mb, _, _ = grads_on((4, 1, 1), accum=2, negatives="micro_batch")
+# Reference for micro-batch negatives: micro-batch k holds rows k, k+2, ...; the loss is the mean over micro-batches.
+from hnclip_jax.models import bind
+m = bind(graphdef, params)
+img, txt = np.asarray(m.encode_image(batch["image"])), np.asarray(m.encode_text(batch["tokens"]))
+ref_mb = np.mean([float(losses.hn_clip_loss(img[k::2], txt[k::2], m.scale(), 0.5)) for k in range(2)])
+out["micro_batch_loss_rel"] = abs(loss_mb - ref_mb) / ref_mb
+out["micro_batch_differs_from_global"] = abs(loss_mb - ref_loss) / ref_loss
+
+# Row-chunked loss.
+loss_c, grads_c, _ = grads_on((4, 1, 1), chunk=2)
+out["chunked"] = {"loss_rel": abs(loss_c - ref_loss) / ref_loss, "grad_rel": max_rel(grads_c, ref_grads)}
+
+# Memory: compiled sharded loss (value and grad) on 8 devices.
+mesh = mesh_of((8, 1, 1))
+sh = NamedSharding(mesh, P(sharding.BATCH_AXES))
+out["memory"] = {}
+for chunk in (None, 32):
+  for gb in (1024, 2048, 4096):
+    x = jax.ShapeDtypeStruct((gb, 64), jnp.float32, sharding=sh)
+    f = lambda a, b: losses.sharded_hn_clip_loss(a, b, 30.0, 0.5, mesh, sharding.BATCH_AXES, chunk)[0]
+    compiled = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(x, x).compile()
+    hlo = compiled.as_text()
+    shapes = set(re.findall(r"f32\[(\d+),(\d+)\]", hlo))
+    out["memory"][f"{chunk}/{gb}"] = {
+        "temp": compiled.memory_analysis().temp_size_in_bytes,
+        "has_full": (str(gb), str(gb)) in shapes,
+        "has_rows": (str(gb // 8), str(gb)) in shapes or (str(chunk), str(gb)) in shapes}
+print("RESULT " + json.dumps(out))

@@ -1,0 +1,59 @@
+"""train.py/eval.py across layouts and across processes give the numbers of a single device/process."""
+import json
+import os
+
+import pytest
+
+from conftest import run_processes, run_py
+
+COMMON = ["--config", "configs/demo.py:test", "--config.total_steps=3", "--config.log_every=1",
+          "--config.eval_every=3", "--config.checkpoint_every=3", "--config.data.num_test=41"]
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return [(r["step"], r["loss"]) for r in rows if "loss" in r], [r for r in rows if "eval/t2i/R@1" in r]
+
+
+def _eval(workdir):
+  with open(os.path.join(workdir, "eval_results.json")) as f:
+    return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tfds_dir):
+  """One process, one device."""
+  workdir = str(tmp_path_factory.mktemp("one_device"))
+  args = [*COMMON, f"--config.data.data_dir={tfds_dir}", "--workdir", workdir]
+  run_py(["train.py", *args])
+  run_py(["eval.py", *args])
+  return workdir
+
+
+def _assert_same(workdir, reference):
+  (got, got_eval), (want, want_eval) = _losses(workdir), _losses(reference)
+  assert [s for s, _ in got] == [1, 2, 3] and [s for s, _ in want] == [1, 2, 3]
+  for (_, a), (_, b) in zip(got, want):
+    assert a == pytest.approx(b, rel=1e-5)
+  assert got_eval[0] == pytest.approx(want_eval[0])
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 2), (4, 1, 2)])
+def test_layouts_train_like_one_device(tmp_path, tfds_dir, reference, layout):
+  d, f, t = layout
+  run_py(["train.py", *COMMON, f"--config.data.data_dir={tfds_dir}", "--workdir", str(tmp_path),
+          f"--config.mesh.data={d}", f"--config.mesh.fsdp={f}", f"--config.mesh.tensor={t}"], devices=8)
+  _assert_same(str(tmp_path), reference)
+
+
+def test_two_processes_train_and_eval_like_one(tmp_path, tfds_dir, reference):
+  workdir = str(tmp_path / "two")
+  args = [*COMMON, f"--config.data.data_dir={tfds_dir}", "--workdir", workdir]
+  outs = run_processes(["train.py", *args], num_processes=2, devices_per_process=4)
+  assert "mesh {'data': 8, 'fsdp': 1, 'tensor': 1} on 8 cpu devices, 2 process(es)" in outs[0][0]
+  assert "steps/s" in outs[0][0] and "steps/s" not in outs[1][0]  # only process 0 prints progress
+  _assert_same(workdir, reference)
+  run_processes(["eval.py", *args], num_processes=2, devices_per_process=4)
+  got, want = _eval(workdir), _eval(reference)
+  assert got["num_pairs"] == 41 and got == want  # 41 pairs over 2 processes: none dropped or doubled

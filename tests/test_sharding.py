@@ -1,0 +1,77 @@
+"""Mesh layouts on 8 fake CPU devices: loss and gradients equal the single-device ones; memory stays per-row."""
+import json
+
+import ml_collections
+import pytest
+
+from hnclip_jax import sharding
+from conftest import run_py
+
+
+@pytest.fixture(scope="module")
+def checks():
+  proc = run_py(["tests/sharded_checks.py"], devices=8)
+  return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+def test_every_layout_matches_one_device(checks):
+  assert set(checks["layouts"]) == {"(8, 1, 1)", "(2, 4, 1)", "(1, 8, 1)", "(2, 2, 2)", "(4, 1, 2)"}
+  for layout, r in checks["layouts"].items():
+    assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (layout, r)
+
+
+def test_parameters_follow_the_logical_rules(checks):
+  assert checks["specs"] == {"q_kernel": "P('fsdp', 'tensor')", "out_kernel": "P('tensor', 'fsdp')",
+                             "fc1_kernel": "P('fsdp', 'tensor')", "fc2_kernel": "P('tensor', 'fsdp')",
+                             "ln1_scale": "P(None,)", "token_embedding": "P('tensor', 'fsdp')", "logit_scale": "P()"}
+  assert checks["opt_mu_q_kernel"] == "P('fsdp', 'tensor')" and checks["opt_count"] == "P()"
+
+
+def test_gradient_accumulation(checks):
+  assert len(checks["accum"]) == 3
+  for name, r in checks["accum"].items():  # global-batch negatives: identical to no accumulation
+    assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (name, r)
+  assert checks["micro_batch_loss_rel"] <= 1e-5  # micro-batch negatives: mean of per-micro-batch losses
+  assert checks["micro_batch_differs_from_global"] > 1e-3
+
+
+def test_chunked_loss_matches(checks):
+  assert checks["chunked"]["loss_rel"] <= 1e-5 and checks["chunked"]["grad_rel"] <= 1e-5
+
+
+def test_no_device_holds_the_full_logits(checks):
+  mem = checks["memory"]
+  for key, m in mem.items():
+    assert not m["has_full"] and m["has_rows"], key
+  # Unchunked: memory ~ n_local × B, so doubling B (and n_local) roughly quadruples it ...
+  assert 3.0 < mem["None/4096"]["temp"] / mem["None/2048"]["temp"] < 4.5
+  # ... and stays well below one B×B fp32 matrix per device.
+  assert mem["None/4096"]["temp"] < 0.95 * 4096 * 4096 * 4
+  # Row-chunked: memory ~ chunk × B, linear in B.
+  assert 1.8 < mem["32/4096"]["temp"] / mem["32/2048"]["temp"] < 2.2
+  assert mem["32/4096"]["temp"] < mem["None/4096"]["temp"] / 4
+
+
+def test_mesh_shape_resolution_and_errors():
+  cfg = lambda d, f, t: ml_collections.ConfigDict({"data": d, "fsdp": f, "tensor": t})
+  assert sharding.mesh_shape(cfg(-1, 2, 1), 8) == (4, 2, 1)
+  assert sharding.mesh_shape(cfg(2, 2, 2), 8) == (2, 2, 2)
+  with pytest.raises(ValueError, match="multiplies to 4 but there are 8 devices"):
+    sharding.mesh_shape(cfg(2, 2, 1), 8)
+  with pytest.raises(ValueError, match="fixed axes multiply to 3"):
+    sharding.mesh_shape(cfg(-1, 3, 1), 8)
+  with pytest.raises(ValueError, match="'embed' to 'model'"):
+    sharding.parse_rules("embed=model")
+
+
+@pytest.mark.parametrize("override,message", [
+    (["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=1"], "multiplies to 4 but there are 8"),
+    (["--config.mesh.data=1", "--config.mesh.tensor=8", "--config.mesh.fsdp=1", "--config.batch_size=16"],
+     "config.model.vision_heads=2 cannot be split over mesh axis 'tensor' of size 8"),
+    (["--config.mesh.data=8", "--config.batch_size=20"], "config.batch_size=20 is not divisible by the 8"),
+    (["--config.grad_accum_steps=3"], "divisible by config.grad_accum_steps=3"),
+])
+def test_layout_errors_before_compiling(tmp_path, override, message):
+  proc = run_py(["train.py", "--config", "configs/demo.py:test", "--workdir", str(tmp_path), *override],
+                devices=8, check=False)
+  assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-3000:]
