@@ -49,8 +49,7 @@ def main(argv):
   if step not in steps:
     raise ValueError(f"--step={step} has no checkpoint in {ckpt.directory}; available steps: {steps}")
 
-  tokenizer = experiment.get_tokenizer(config, workdir, fit_if_missing=False)
-  model_cfg = experiment.model_config(config, tokenizer)
+  model_cfg, tokenizer, _ = experiment.resolve_model(config, workdir, training=False)
   experiment.check_compatible(ckpt.read_meta(step), model_cfg, f"{ckpt.directory}/{step}")
   sharding.check_model_fits(model_cfg, mesh, rules)
   graphdef, abstract_params = abstract_model(model_cfg)

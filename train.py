@@ -44,8 +44,7 @@ def main(argv):
   # ---- Data and tokenizer ----------------------------------------------------
   train_source = builders.data_source(config.data, config.data.train_split)
   eval_source = builders.data_source(config.data, config.data.eval_split)
-  tokenizer = experiment.get_tokenizer(config, workdir, fit_if_missing=True)
-  model_cfg = experiment.model_config(config, tokenizer)
+  model_cfg, tokenizer, init_from_params = experiment.resolve_model(config, workdir, training=True)
   sharding.check_model_fits(model_cfg, mesh, rules)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.max_to_keep)
   latest = ckpt.latest_step()
@@ -58,7 +57,11 @@ def main(argv):
   schedule = train_step.lr_schedule(config.optimizer, config.total_steps)
   abstract_state = jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract_params)
   shardings = sharding.state_shardings(abstract_state, "params", mesh, rules)
-  if latest is None:
+  if latest is None and init_from_params is not None:  # fine-tuning start: given weights, fresh optimizer
+    state = jax.jit(lambda p: train_step.init_state(p, tx), out_shardings=shardings)(init_from_params)
+    start = 0
+    log(f"initialised from {config.init_from}")
+  elif latest is None:
     state = jax.jit(lambda: train_step.init_state(init_params(model_cfg, config.seed)[1], tx),
                     out_shardings=shardings)()
     start = 0

@@ -33,6 +33,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_batch_size = 256
   c.workers = 0  # grain worker processes (0: threads in the main process)
   c.compilation_cache_dir = "~/.cache/hnclip_jax/xla"  # "" disables the persistent XLA cache
+  # Start from these weights (fresh optimizer, step 0): a Hugging Face CLIP directory, an OpenAI/Long-CLIP .pt,
+  # a converted directory (python -m hnclip_jax.pretrained.convert) or a train.py workdir. "" = from scratch.
+  c.init_from = ""
 
   c.grad_accum_steps = 1  # micro-batches per step, accumulated inside the jitted step
   # negatives: which batch Ḡ and the negatives span when grad_accum_steps > 1 ("micro_batch" | "global_batch").

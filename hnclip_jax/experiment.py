@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import jax
@@ -42,6 +43,49 @@ def maybe_initialize_distributed() -> None:
 
 def tokenizer_dir(workdir: str) -> str:
   return os.path.join(workdir, "tokenizer")
+
+
+MODEL_JSON = "model.json"
+
+
+def resolve_model(config, workdir: str, *, training: bool):
+  """The run's architecture and tokenizer -> (CLIPConfig, tokenizer, initial params or None).
+
+  A workdir remembers both (model.json, tokenizer/) from its first start, so
+  resuming and eval.py never need the original weights again. On a first start:
+  with config.init_from, the architecture and tokenizer come from those weights
+  (text positions are stretched if config.model.text_context asks for more, as
+  Long-CLIP does; config.model.dtype applies); without it, from config.model and
+  a tokenizer fitted on the training captions.
+  """
+  model_json = os.path.join(workdir, MODEL_JSON)
+  if os.path.exists(model_json):
+    with open(model_json) as f:
+      cfg = CLIPConfig.from_dict(json.load(f))
+    tok = load_tokenizer(tokenizer_dir(workdir))
+    if not config.init_from:
+      check_compatible({"model": dataclasses.asdict(cfg)}, model_config(config, tok), model_json)
+    return dataclasses.replace(cfg, dtype=config.model.dtype), tok, None
+  if not training:
+    raise FileNotFoundError(f"{model_json} is missing: {workdir} is not a train.py workdir (train first)")
+  params = None
+  if config.init_from:
+    from hnclip_jax import pretrained
+    pre = pretrained.load(config.init_from)
+    if config.model.text_context > pre.config.text_context:
+      pre = pre.with_text_context(config.model.text_context)
+    if pre.tokenizer is None:
+      raise FileNotFoundError(f"config.init_from={config.init_from} has no tokenizer files next to the weights "
+                              "(vocab.json + merges.txt, tokenizer.json or bpe_simple_vocab_16e6.txt.gz)")
+    cfg, tok, params = dataclasses.replace(pre.config, dtype=config.model.dtype), pre.tokenizer, pre.params
+  else:
+    tok = get_tokenizer(config, workdir, fit_if_missing=True)
+    cfg = model_config(config, tok)
+  if jax.process_index() == 0:
+    tok.save(tokenizer_dir(workdir))
+    with open(model_json, "w") as f:
+      json.dump(dataclasses.asdict(cfg), f, indent=2)
+  return cfg, tok, params
 
 
 def get_tokenizer(config, workdir: str, *, fit_if_missing: bool):

@@ -131,7 +131,7 @@ def test_train_pipeline_is_deterministic_and_resumable(data_cfg, tokenizer):
   assert sorted(epoch.tolist()) == list(range(48))
   assert not np.array_equal(epoch, np.concatenate([b["image_id"] for b in full[3:6]]))
   # CLIP normalisation of a known pixel value.
-  np.testing.assert_allclose(pipeline.normalize(np.full((32, 32, 3), 255, np.uint8), 32)[0, 0],
+  np.testing.assert_allclose(pipeline.clip_preprocess(np.full((40, 32, 3), 255, np.uint8), 32)[0, 0],
                              (1 - pipeline.CLIP_MEAN) / pipeline.CLIP_STD, rtol=1e-6)
 
 

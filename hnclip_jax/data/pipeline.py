@@ -10,11 +10,30 @@ CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
 CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
 
 
-def normalize(image: np.ndarray, image_size: int) -> np.ndarray:
-  """uint8 [H, W, 3] -> float32 [image_size, image_size, 3], CLIP-normalised (bicubic resize if needed)."""
-  if image.shape[:2] != (image_size, image_size):
-    image = np.asarray(Image.fromarray(image).resize((image_size, image_size), Image.BICUBIC))
-  return (image.astype(np.float32) / 255.0 - CLIP_MEAN) / CLIP_STD
+def resize_center_crop(image, size: int) -> np.ndarray:
+  """PIL image or uint8 [H, W, 3|1] -> uint8 [size, size, 3]: short side to `size` (bicubic), centre crop."""
+  img = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image).squeeze())
+  img = img.convert("RGB")
+  w, h = img.size
+  if (w, h) != (size, size):
+    if w <= h:
+      new_w, new_h = size, int(size * h / w)
+    else:
+      new_w, new_h = int(size * w / h), size
+    img = img.resize((new_w, new_h), Image.BICUBIC)
+    left, top = (new_w - size) // 2, (new_h - size) // 2
+    img = img.crop((left, top, left + size, top + size))
+  return np.asarray(img, np.uint8)
+
+
+def clip_preprocess(image, size: int) -> np.ndarray:
+  """CLIP preprocessing of one image (PIL or uint8 array) -> float32 [size, size, 3], normalised."""
+  return normalize(resize_center_crop(image, size))
+
+
+def normalize(image: np.ndarray) -> np.ndarray:
+  """uint8 [H, W, 3] -> float32 [H, W, 3]: scaled to [0, 1], then CLIP mean/std."""
+  return (np.asarray(image, np.float32) / 255.0 - CLIP_MEAN) / CLIP_STD
 
 
 def _caption(ex) -> str:
@@ -28,7 +47,7 @@ class _Preprocess(grain.transforms.Map):
     self.tokenizer, self.image_size = tokenizer, image_size
 
   def map(self, ex):
-    return {"image": normalize(ex["image"], self.image_size),
+    return {"image": clip_preprocess(ex["image"], self.image_size),
             "tokens": self.tokenizer([_caption(ex)])[0],
             "image_id": np.int64(ex["image_id"])}
 

@@ -78,6 +78,7 @@ TOKENIZERS = {WordTokenizer.kind: WordTokenizer}
 
 def load_tokenizer(directory: str):
   """Loads a tokenizer saved with `.save(directory)`."""
+  import hnclip_jax.pretrained.clip_tokenizer  # noqa: F401  (registers the CLIP BPE tokenizer)
   path = os.path.join(directory, META_FILE)
   if not os.path.exists(path):
     raise FileNotFoundError(f"no tokenizer in {directory}: {META_FILE} is missing")

@@ -1,0 +1,147 @@
+"""Pretrained CLIP / Long-CLIP weights: `load(path)` for Hugging Face directories, OpenAI-format `.pt` files,
+converted directories (`python -m hnclip_jax.pretrained.convert`) and train.py workdirs."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hnclip_jax.data import pipeline
+from hnclip_jax.data.tokenizer import load_tokenizer
+from hnclip_jax.models import CLIPConfig, abstract_model, bind
+from hnclip_jax.pretrained import weights
+from hnclip_jax.pretrained.clip_tokenizer import CLIPTokenizer
+from hnclip_jax.pretrained.weights import stretch_positions
+
+MODEL_JSON = "model.json"  # in converted directories and train.py workdirs: the resolved CLIPConfig
+
+__all__ = ["Pretrained", "load", "stretch_positions", "CLIPTokenizer"]
+
+
+@dataclasses.dataclass
+class Pretrained:
+  """A CLIP model with its tokenizer and preprocessing. All encoders return L2-normalised NumPy [N, E]."""
+  config: CLIPConfig
+  params: dict
+  tokenizer: object | None
+  source: str
+
+  def __post_init__(self):
+    self.graphdef, abstract = abstract_model(self.config)
+    weights.check_shapes(self.params, abstract, self.source)
+    tok = self.tokenizer
+    if tok is not None and (tok.vocab_size > self.config.vocab_size or tok.eot_id != self.config.eot_token_id):
+      raise ValueError(f"{self.source}: the tokenizer files ({tok.vocab_size} tokens, end token {tok.eot_id}) do not "
+                       f"match the weights ({self.config.vocab_size} embeddings, end token "
+                       f"{self.config.eot_token_id}); use the vocabulary the model was trained with")
+    self.params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), self.params)
+    self._img = jax.jit(lambda p, x: bind(self.graphdef, p).encode_image(x))
+    self._txt = jax.jit(lambda p, t: bind(self.graphdef, p).encode_text(t))
+
+  def tokenize(self, texts) -> np.ndarray:
+    """list[str] -> int32 [N, text_context]."""
+    if self.tokenizer is None:
+      raise FileNotFoundError(f"{self.source} came without tokenizer files (vocab.json + merges.txt, tokenizer.json "
+                              "or bpe_simple_vocab_16e6.txt.gz); put them next to the weights")
+    return self.tokenizer(list(texts))
+
+  def preprocess(self, images) -> np.ndarray:
+    """PIL images or uint8 [H, W, 3] arrays -> float32 [N, image_size, image_size, 3] (CLIP preprocessing)."""
+    return np.stack([pipeline.clip_preprocess(im, self.config.image_size) for im in images])
+
+  def encode_pixels(self, pixels) -> np.ndarray:
+    return np.asarray(self._img(self.params, jnp.asarray(pixels, jnp.float32)))
+
+  def encode_tokens(self, tokens) -> np.ndarray:
+    return np.asarray(self._txt(self.params, jnp.asarray(tokens, jnp.int32)))
+
+  def encode_images(self, images) -> np.ndarray:
+    return self.encode_pixels(self.preprocess(images))
+
+  def encode_texts(self, texts) -> np.ndarray:
+    return self.encode_tokens(self.tokenize(texts))
+
+  def with_text_context(self, context: int) -> "Pretrained":
+    """The same model with `context` text positions: Long-CLIP stretching when growing 77 -> 248."""
+    old = self.config.text_context
+    if context == old:
+      return self
+    expected = 20 + 4 * (old - 20)
+    if context != expected:
+      raise ValueError(f"text context {old} can only be stretched to {expected} (Long-CLIP: keep 20, ×4); "
+                       f"asked for {context}")
+    params = dict(self.params, text_positions=stretch_positions(np.asarray(self.params["text_positions"])))
+    tok = self.tokenizer
+    if tok is not None:
+      tok = type(tok)(tok._tok, context)
+    return Pretrained(dataclasses.replace(self.config, text_context=context), params, tok, self.source)
+
+  def save(self, out_dir: str) -> None:
+    """Writes an Orbax checkpoint of the parameters, model.json and the tokenizer: loadable without PyTorch."""
+    import orbax.checkpoint as ocp
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(os.path.join(out_dir, "params"), self.params, force=True)
+    with open(os.path.join(out_dir, MODEL_JSON), "w") as f:
+      json.dump(dataclasses.asdict(self.config), f, indent=2)
+    if self.tokenizer is not None:
+      self.tokenizer.save(os.path.join(out_dir, "tokenizer"))
+
+
+def _tokenizer_near(directory: str, context: int):
+  try:
+    return CLIPTokenizer.from_directory(directory, context)
+  except FileNotFoundError:
+    return None
+
+
+def _load_converted(path: str) -> Pretrained:
+  import orbax.checkpoint as ocp
+  with open(os.path.join(path, MODEL_JSON)) as f:
+    cfg = CLIPConfig.from_dict(json.load(f)).validate()
+  _, abstract = abstract_model(cfg)
+  with ocp.StandardCheckpointer() as ckptr:
+    params = ckptr.restore(os.path.join(path, "params"), abstract)
+  tok_dir = os.path.join(path, "tokenizer")
+  return Pretrained(cfg, params, load_tokenizer(tok_dir) if os.path.isdir(tok_dir) else None, path)
+
+
+def _load_workdir(path: str) -> Pretrained:
+  from hnclip_jax import checkpoint
+  ckpt = checkpoint.Checkpointer(os.path.join(path, "checkpoints"))
+  step = ckpt.latest_step()
+  if step is None:
+    raise FileNotFoundError(f"{path} looks like a train.py workdir but has no checkpoint yet")
+  cfg = CLIPConfig.from_dict(ckpt.read_meta(step)["model"]).validate()
+  _, abstract = abstract_model(cfg)
+  params = ckpt.restore_params(step, jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
+      abstract))
+  ckpt.close()
+  return Pretrained(cfg, jax.device_get(params), load_tokenizer(os.path.join(path, "tokenizer")),
+                    f"{path} (step {step})")
+
+
+def load(path: str) -> Pretrained:
+  """Loads CLIP weights from any supported source (see the module docstring); the architecture is inferred."""
+  path = os.path.abspath(os.path.expanduser(path))
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist; expected a Hugging Face CLIP directory, an OpenAI-format .pt "
+                            "file, a converted directory or a train.py workdir")
+  if os.path.isdir(path):
+    if os.path.exists(os.path.join(path, MODEL_JSON)) and os.path.isdir(os.path.join(path, "params")):
+      return _load_converted(path)
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+      return _load_workdir(path)
+    if os.path.exists(os.path.join(path, "config.json")):
+      cfg, params = weights.read_hf_directory(path)
+      return Pretrained(cfg, params, _tokenizer_near(path, cfg.text_context), path)
+    raise FileNotFoundError(f"{path}: no config.json (Hugging Face), model.json + params/ (converted) or "
+                            "checkpoints/ (train.py workdir) inside")
+  cfg, params = weights.read_openai_file(path)
+  return Pretrained(cfg, params, _tokenizer_near(os.path.dirname(path), cfg.text_context), path)
