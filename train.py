@@ -21,7 +21,10 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   import jax
-  from hnclip_jax import checkpoint, config as config_lib, experiment, sharding, train_step
+  import numpy as np
+
+  import hnclip_jax
+  from hnclip_jax import checkpoint, config as config_lib, experiment, faults, preemption, sharding, train_step
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.metrics import MetricsWriter, Progress, log, quiet_libraries
   from hnclip_jax.models import abstract_model, init_params
@@ -30,9 +33,10 @@ def main(argv):
   quiet_libraries()
   config = config_lib.validate(FLAGS.config)
   workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
-  os.makedirs(workdir, exist_ok=True)
+  preemption.check_workdir(workdir)
   experiment.enable_compilation_cache(config.compilation_cache_dir)
   experiment.maybe_initialize_distributed()
+  lock = preemption.WorkdirLock(workdir)
   mesh = sharding.make_mesh(config.mesh)
   rules = sharding.parse_rules(config.mesh.rules)
   sharding.check_batch_size(config.batch_size, mesh)
@@ -41,42 +45,39 @@ def main(argv):
   log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, "
       f"{jax.process_count()} process(es)")
 
-  # ---- Data and tokenizer ----------------------------------------------------
+  # ---- Data and model definition --------------------------------------------
   train_source = builders.data_source(config.data, config.data.train_split)
   eval_source = builders.data_source(config.data, config.data.eval_split)
   model_cfg, tokenizer, init_from_params = experiment.resolve_model(config, workdir, training=True)
   sharding.check_model_fits(model_cfg, mesh, rules)
-  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.max_to_keep)
-  latest = ckpt.latest_step()
-  if latest is not None:
-    experiment.check_compatible(ckpt.read_meta(latest), model_cfg, f"{ckpt.directory}/{latest}")
-
-  # ---- Model, optimizer, state (created directly on its shardings) ----------
   graphdef, abstract_params = abstract_model(model_cfg)
   tx = train_step.make_optimizer(config.optimizer, config.total_steps)
   schedule = train_step.lr_schedule(config.optimizer, config.total_steps)
   abstract_state = jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract_params)
   shardings = sharding.state_shardings(abstract_state, "params", mesh, rules)
-  if latest is None and init_from_params is not None:  # fine-tuning start: given weights, fresh optimizer
+
+  # ---- State: newest intact checkpoint, else initial (created on its shardings) ----
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.max_to_keep,
+                                 async_save=config.async_checkpointing)
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
+  latest, state, _ = ckpt.restore_latest_intact(
+      target, check_meta=lambda meta, where: experiment.check_compatible(meta, model_cfg, where))
+  if state is not None:
+    log(f"resumed from {ckpt.directory}/{latest} (step {latest})")
+  elif init_from_params is not None:  # fine-tuning start: given weights, fresh optimizer, step 0
     state = jax.jit(lambda p: train_step.init_state(p, tx), out_shardings=shardings)(init_from_params)
-    start = 0
     log(f"initialised from {config.init_from}")
-  elif latest is None:
+  else:
     state = jax.jit(lambda: train_step.init_state(init_params(model_cfg, config.seed)[1], tx),
                     out_shardings=shardings)()
-    start = 0
-  else:
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
-    state = ckpt.restore(latest, target)
-    start = int(state["step"])
-    log(f"resumed from {ckpt.directory}/{latest} (step {start})")
+  start = int(state["step"])
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   log(f"model: {n_params / 1e6:.2f}M parameters, {model_cfg}")
 
   step_fn = train_step.make_train_step(graphdef, tx, mesh, config, schedule, shardings)
   embed_fn = train_step.make_embed_fn(graphdef, mesh, shardings["params"])
   meta = {"model": dataclasses.asdict(model_cfg), "tokenizer": tokenizer.kind, "mesh": dict(mesh.shape),
-          "config": json.loads(config.to_json())}
+          "config": json.loads(config.to_json()), "code_version": hnclip_jax.code_version()}
   writer = MetricsWriter(workdir)
   writer.truncate_after(start)
   batches = iter(pipeline.train_dataset(
@@ -92,24 +93,50 @@ def main(argv):
     log(f"eval @ {step} on {config.data.name}/{config.data.eval_split} ({res['num_pairs']} pairs): " +
         " ".join(f"{k}={v:.2f}" for k, v in scalars.items()))
 
+  def check_finite():
+    """With on_nonfinite="error": stop (before any checkpoint could hold a later step) naming the bad step."""
+    if config.on_nonfinite == "error" and int(state["nonfinite_steps"]) > 0:
+      good = ckpt.all_steps()
+      raise ValueError(f"non-finite loss or gradient at step {int(state['first_nonfinite_step'])} (the update was "
+                       f"not applied). Last good checkpoint: "
+                       f"{f'{ckpt.directory}/{good[-1]}' if good else 'none yet'}. Lower optimizer.lr, check the "
+                       "data, or set config.on_nonfinite=skip to skip such updates.")
+
   # ---- Training loop ---------------------------------------------------------
+  stop = preemption.StopRequest()
   progress = Progress(start, config.total_steps)
   log(f"training steps {start} -> {config.total_steps}, global batch {config.batch_size} "
       f"({config.grad_accum_steps} micro-batches, negatives over the {config.loss.negatives.replace('_', ' ')}), "
       f"gamma={config.loss.gamma}")
-  for step in range(start + 1, config.total_steps + 1):
-    state, metrics = step_fn(state, sharding.to_global(next(batches), mesh))
-    if step % config.log_every == 0 or step == config.total_steps:
-      scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      writer.write(step, scalars)
-      log(progress.line(step, scalars))
-    if step % config.checkpoint_every == 0 or step == config.total_steps:
-      ckpt.save(step, state, meta, force=True)
-    if step % config.eval_every == 0 or step == config.total_steps:
-      run_eval(step)
-  ckpt.wait()
-  ckpt.close()
-  writer.close()
+  step = start
+  try:
+    for step in range(start + 1, config.total_steps + 1):
+      batch = next(batches)
+      if faults.poisoned(step):
+        batch = dict(batch, image=batch["image"] * np.nan)
+      state, metrics = step_fn(state, sharding.to_global(batch, mesh))
+      faults.maybe_kill("kill", step)
+      stopping = stop.requested()
+      if step % config.log_every == 0 or step == config.total_steps or stopping:
+        scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        writer.write(step, scalars)
+        log(progress.line(step, scalars))
+      if step % config.checkpoint_every == 0 or step == config.total_steps or stopping:
+        check_finite()
+        ckpt.save(step, state, meta, force=True)
+      if stopping:
+        ckpt.wait()
+        log(f"{stop.signal_name}: stopped after step {step}; checkpoint {ckpt.directory}/{step} written. "
+            "Rerun the same command to resume.")
+        return
+      if step % config.eval_every == 0 or step == config.total_steps:
+        run_eval(step)
+    check_finite()
+    ckpt.wait()
+  finally:
+    ckpt.close()
+    writer.close()
+    lock.release()
   log(f"done: {config.total_steps} steps; checkpoints in {ckpt.directory}")
 
 

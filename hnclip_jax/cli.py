@@ -5,15 +5,18 @@ import functools
 import os
 import sys
 
+from hnclip_jax.checkpoint import CheckpointError
+
 
 def clean_errors(main):
-  """Wraps an absl main: ValueError/FileNotFoundError -> 'error: ...' on stderr, exit 2 (HNCLIP_TRACEBACK=1 re-raises)."""
+  """Wraps an absl main: ValueError/FileNotFoundError/CheckpointError -> 'error: ...' on stderr, exit 2
+  (HNCLIP_TRACEBACK=1 re-raises)."""
 
   @functools.wraps(main)
   def wrapped(argv):
     try:
       return main(argv)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
       if os.environ.get("HNCLIP_TRACEBACK"):
         raise
       print(f"error: {e}", file=sys.stderr, flush=True)

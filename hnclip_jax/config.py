@@ -36,6 +36,10 @@ def base_config() -> ml_collections.ConfigDict:
   # Start from these weights (fresh optimizer, step 0): a Hugging Face CLIP directory, an OpenAI/Long-CLIP .pt,
   # a converted directory (python -m hnclip_jax.pretrained.convert) or a train.py workdir. "" = from scratch.
   c.init_from = ""
+  # A non-finite loss or gradient: "error" stops the run (the update is not applied; checkpoints stay finite),
+  # "skip" skips that update and counts it (metric nonfinite_steps).
+  c.on_nonfinite = "error"
+  c.async_checkpointing = True
 
   c.grad_accum_steps = 1  # micro-batches per step, accumulated inside the jitted step
   # negatives: which batch Ḡ and the negatives span when grad_accum_steps > 1 ("micro_batch" | "global_batch").
@@ -91,6 +95,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       auto = (key == "model.vocab_size" and value == 0) or (key == "model.eot_token_id" and value == -1)
       if value <= 0 and not auto:
         raise ValueError(f"config.{key}={value!r} must be positive")
+  if config.on_nonfinite not in ("error", "skip"):
+    raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; choose 'error' or 'skip'")
   axes = [config.mesh[a] for a in ("data", "fsdp", "tensor")]
   if sum(a == -1 for a in axes) > 1 or any(a == 0 or a < -1 for a in axes):
     raise ValueError(f"config.mesh (data, fsdp, tensor) = {tuple(axes)}: sizes must be positive, "

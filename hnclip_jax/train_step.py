@@ -31,8 +31,9 @@ def make_optimizer(opt_cfg, total_steps: int) -> optax.GradientTransformation:
 
 
 def init_state(params, tx) -> dict:
-  """The train state: {"step": int32 [], "params": ..., "opt_state": ...}."""
-  return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+  """The train state: step, params, opt_state, and the count / first step of non-finite updates (skipped)."""
+  return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
+          "nonfinite_steps": jnp.zeros((), jnp.int32), "first_nonfinite_step": jnp.full((), -1, jnp.int32)}
 
 
 def check_accumulation(config, mesh) -> None:
@@ -131,11 +132,20 @@ def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings):
 
   def step(state, batch):
     loss, grads = grad_fn(state["params"], batch)
+    grad_norm = optax.global_norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    # A non-finite loss or gradient leaves parameters and optimizer state as they were; the host decides
+    # (config.on_nonfinite) whether that ends the run or is only counted.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    bad = state["nonfinite_steps"] + jnp.where(finite, 0, 1)
+    first = jnp.where((state["first_nonfinite_step"] < 0) & ~finite, state["step"] + 1, state["first_nonfinite_step"])
     metrics = {"loss": loss, "lr": schedule(state["step"]), "logit_scale": _scale(graphdef, state["params"]),
-               "grad_norm": optax.global_norm(grads)}
-    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+               "grad_norm": grad_norm, "nonfinite_steps": bad}
+    return {"step": state["step"] + 1, "params": keep(params, state["params"]),
+            "opt_state": keep(opt_state, state["opt_state"]), "nonfinite_steps": bad,
+            "first_nonfinite_step": first}, metrics
 
   batch_sh = sharding.batch_sharding(mesh)
   return jax.jit(step, in_shardings=(state_shardings, batch_sh),

@@ -1,0 +1,33 @@
+"""Fault injection for the reliability tests, driven by the HNCLIP_FAULT environment variable.
+
+HNCLIP_FAULT="EVENT@STEP[,EVENT@STEP...]" with EVENT one of:
+  kill              SIGKILL the process right after train step STEP
+  kill_during_save  SIGKILL right after the (asynchronous) checkpoint write of STEP has started
+  save_fails        the checkpoint write of STEP fails as a full disk would (OSError ENOSPC)
+  nan               the batch of step STEP is made non-finite
+Unset in normal use: every hook is then a no-op.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+
+def _armed(event: str, step: int) -> bool:
+  spec = os.environ.get("HNCLIP_FAULT", "")
+  return f"{event}@{step}" in {s.strip() for s in spec.split(",")}
+
+
+def maybe_kill(event: str, step: int) -> None:
+  if _armed(event, step):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_fail(event: str, step: int) -> None:
+  if _armed(event, step):
+    raise OSError(errno.ENOSPC, "No space left on device (injected by HNCLIP_FAULT)")
+
+
+def poisoned(step: int) -> bool:
+  return _armed("nan", step)

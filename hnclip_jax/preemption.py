@@ -1,0 +1,68 @@
+"""Stop requests (SIGTERM/SIGINT), the workdir lock, and workdir checks."""
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+class StopRequest:
+  """Turns the first SIGTERM/SIGINT into a request to stop after the current step; a second one kills as usual."""
+
+  def __init__(self):
+    self.signal_name = None
+    self._previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      self._previous[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    self.signal_name = signal.Signals(signum).name
+    for sig, handler in self._previous.items():  # a second signal gets the default behaviour
+      signal.signal(sig, handler)
+
+  def requested(self) -> bool:
+    """True on every process as soon as any process got a signal (processes must stop at the same step)."""
+    local = self.signal_name is not None
+    if jax.process_count() == 1:
+      return local
+    return bool(np.max(multihost_utils.process_allgather(np.int32(local))))
+
+
+def check_workdir(workdir: str) -> None:
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"--workdir={workdir} is a file; pass a directory")
+  os.makedirs(workdir, exist_ok=True)
+  if not os.access(workdir, os.R_OK | os.W_OK | os.X_OK):
+    raise ValueError(f"--workdir={workdir} is not readable and writable by this user; fix its permissions or "
+                     "choose another directory")
+
+
+class WorkdirLock:
+  """An exclusive lock on WORKDIR/.lock held while training (released by the OS even after SIGKILL)."""
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(workdir, ".lock")
+    self._fd = None
+    if jax.process_index() != 0:
+      return
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      owner = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+      os.close(fd)
+      raise ValueError(f"another train.py (pid {owner}) is already running on {workdir}; wait for it to finish "
+                       "or use another --workdir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    self._fd = fd
+
+  def release(self):
+    if self._fd is not None:
+      fcntl.flock(self._fd, fcntl.LOCK_UN)
+      os.close(self._fd)
+      self._fd = None

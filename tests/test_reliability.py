@@ -1,0 +1,192 @@
+"""Preemption safety: exact resume after SIGKILL, SIGTERM, damaged checkpoints, non-finite steps, failing saves,
+locks, and restoring onto other device layouts. Every run is a real train.py subprocess."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import ROOT, _env, run_py
+
+BASE = ["train.py", "--config", "configs/demo.py:test", "--config.total_steps=8", "--config.checkpoint_every=2",
+        "--config.log_every=1", "--config.eval_every=100", "--config.max_to_keep=10"]
+
+
+def train(workdir, tfds_dir, *extra, fault=None, devices=1, check=True):
+  env = {"HNCLIP_FAULT": fault} if fault else None
+  return run_py([*BASE, "--workdir", str(workdir), f"--config.data.data_dir={tfds_dir}", *extra], devices=devices,
+                env_extra=env, check=check)
+
+
+def metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def final_params(workdir):
+  from hnclip_jax import pretrained
+  return [np.asarray(x) for x in jax.tree.leaves(pretrained.load(str(workdir)).params)]
+
+
+def steps(workdir):
+  return sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tfds_dir):
+  workdir = tmp_path_factory.mktemp("reference")
+  train(workdir, tfds_dir)
+  return workdir, final_params(workdir), metrics(workdir)
+
+
+def assert_identical_to(reference, workdir):
+  _, ref_params, ref_metrics = reference
+  got = final_params(workdir)
+  assert len(got) == len(ref_params)
+  assert all(np.array_equal(a, b) for a, b in zip(got, ref_params))  # bit-identical
+  assert metrics(workdir) == ref_metrics  # same steps, no gaps or duplicates, same values
+
+
+@pytest.mark.parametrize("fault", ["kill@3", "kill@6", "kill_during_save@6"])
+def test_sigkill_then_rerun_is_bit_identical(tmp_path, tfds_dir, reference, fault):
+  killed = train(tmp_path, tfds_dir, fault=fault, check=False)
+  assert killed.returncode == -signal.SIGKILL
+  survived = steps(tmp_path)  # async saves still in flight at the kill are lost, never half-visible
+  assert survived == [s for s in (2, 4, 6) if s in survived] and max(survived, default=0) <= int(fault[-1])
+  if "save" in fault:
+    assert 4 in survived
+  again = train(tmp_path, tfds_dir)
+  if survived:
+    assert f"resumed from {tmp_path}/checkpoints/{survived[-1]} (step {survived[-1]})" in again.stdout
+  assert_identical_to(reference, tmp_path)
+
+
+def test_damaged_checkpoints_are_skipped(tmp_path, tfds_dir, reference):
+  workdir = tmp_path / "w"
+  shutil.copytree(reference[0], workdir)
+  os.remove(workdir / ".lock") if (workdir / ".lock").exists() else None
+
+  def largest_file(step):
+    files = [os.path.join(d, f) for d, _, fs in os.walk(workdir / "checkpoints" / str(step)) for f in fs]
+    return max(files, key=os.path.getsize)
+
+  big = largest_file(8)
+  with open(big, "r+b") as f:  # truncated
+    f.truncate(os.path.getsize(big) // 3)
+  big = largest_file(6)
+  with open(big, "r+b") as f:  # bytes flipped in the middle
+    f.seek(os.path.getsize(big) // 2)
+    chunk = bytearray(f.read(64))
+    f.seek(os.path.getsize(big) // 2)
+    f.write(bytes(b ^ 0xFF for b in chunk))
+  (workdir / "checkpoints" / "9.orbax-checkpoint-tmp-1234").mkdir()  # a half-written save
+  # Make the run redo steps 5..8 from checkpoint 4: drop the later metrics so the comparison is exact.
+  proc = train(workdir, tfds_dir)
+  assert f"skipping checkpoint {workdir}/checkpoints/8" in proc.stdout
+  assert f"skipping checkpoint {workdir}/checkpoints/6" in proc.stdout
+  assert "(step 4)" in proc.stdout
+  assert sorted(os.listdir(workdir / "checkpoints_damaged"))[0].startswith("6-")  # kept aside, not deleted
+  assert_identical_to(reference, workdir)
+
+
+def test_sigterm_checkpoints_and_exits(tmp_path, tfds_dir):
+  args = [*BASE, "--workdir", str(tmp_path), f"--config.data.data_dir={tfds_dir}", "--config.total_steps=100000",
+          "--config.checkpoint_every=100000"]
+  proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(1), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    path = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= 3):
+      time.sleep(0.2)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    elapsed = time.time() - t0
+  finally:
+    proc.kill()
+  assert proc.returncode == 0, err[-3000:]
+  stopped = int(out.split("stopped after step ")[1].split(";")[0])
+  assert "SIGTERM" in out and steps(tmp_path) == [stopped]
+  assert metrics(tmp_path)[-1]["step"] == stopped
+  assert elapsed < 30, elapsed
+  print(f"SIGTERM to exit: {elapsed:.2f}s")
+  # The same command resumes from that checkpoint (and is killed one step later, to keep the test short).
+  again = run_py(args, env_extra={"HNCLIP_FAULT": f"kill@{stopped + 1}"}, check=False)
+  assert f"(step {stopped})" in again.stdout and again.returncode == -signal.SIGKILL
+
+
+def test_nonfinite_stops_with_last_good_checkpoint(tmp_path, tfds_dir):
+  proc = train(tmp_path, tfds_dir, fault="nan@3", check=False)
+  assert proc.returncode == 2
+  assert "non-finite loss or gradient at step 3" in proc.stderr and f"{tmp_path}/checkpoints/2" in proc.stderr
+  assert steps(tmp_path) == [2]
+
+
+def test_nonfinite_skip_counts_and_continues(tmp_path, tfds_dir):
+  train(tmp_path, tfds_dir, "--config.on_nonfinite=skip", fault="nan@3")
+  rows = [r for r in metrics(tmp_path) if "loss" in r]
+  assert [r["nonfinite_steps"] for r in rows] == [0, 0, 1, 1, 1, 1, 1, 1]
+  assert np.isnan(rows[2]["loss"]) and all(np.isfinite(r["loss"]) for r in rows[3:])
+  assert steps(tmp_path)[-1] == 8
+
+
+def test_failed_save_keeps_earlier_checkpoints(tmp_path, tfds_dir, reference):
+  proc = train(tmp_path, tfds_dir, fault="save_fails@4", check=False)
+  assert proc.returncode == 2
+  assert f"writing checkpoint {tmp_path}/checkpoints/4 failed" in proc.stderr and "No space left" in proc.stderr
+  assert steps(tmp_path) == [2]
+  train(tmp_path, tfds_dir)  # space is back: resume from 2 and finish exactly
+  assert_identical_to(reference, tmp_path)
+
+
+def test_second_run_on_same_workdir_is_refused(tmp_path, tfds_dir):
+  from hnclip_jax.preemption import WorkdirLock
+  lock = WorkdirLock(str(tmp_path))
+  try:
+    proc = train(tmp_path, tfds_dir, check=False)
+  finally:
+    lock.release()
+  assert proc.returncode == 2 and f"another train.py (pid {os.getpid()}) is already running" in proc.stderr
+
+
+def test_workdir_that_is_a_file(tmp_path, tfds_dir):
+  f = tmp_path / "file"
+  f.write_text("x")
+  proc = train(f, tfds_dir, check=False)
+  assert proc.returncode == 2 and "is a file" in proc.stderr
+
+
+def test_restore_onto_other_layouts(tmp_path, tfds_dir):
+  layout = lambda d, f, t: [f"--config.mesh.data={d}", f"--config.mesh.fsdp={f}", f"--config.mesh.tensor={t}"]
+  full = tmp_path / "full"
+  train(full, tfds_dir, *layout(2, 4, 1), devices=8)
+  want = {r["step"]: r["loss"] for r in metrics(full) if "loss" in r}
+  part = tmp_path / "part"
+  # Synchronous saves here, so checkpoint 4 is surely complete when step 5 is killed.
+  train(part, tfds_dir, *layout(2, 4, 1), "--config.async_checkpointing=false", devices=8, fault="kill@5",
+        check=False)
+  assert max(steps(part)) == 4
+  for name, devices, lay in (("one", 1, layout(1, 1, 1)), ("dp8", 8, layout(8, 1, 1)), ("tp", 8, layout(2, 2, 2))):
+    w = tmp_path / name
+    shutil.copytree(part, w)
+    proc = train(w, tfds_dir, *lay, devices=devices)
+    assert "(step 4)" in proc.stdout
+    got = {r["step"]: r["loss"] for r in metrics(w) if "loss" in r}
+    assert sorted(got) == list(range(1, 9))
+    for s in range(5, 9):
+      assert got[s] == pytest.approx(want[s], rel=1e-5), (name, s)
+  # eval.py on any device count gives the same numbers.
+  results = []
+  for devices in (1, 8):
+    run_py(["eval.py", "--config", "configs/demo.py:test", "--workdir", str(full), f"--config.data.data_dir={tfds_dir}",
+            *(layout(1, 1, 1) if devices == 1 else layout(4, 1, 2))], devices=devices)
+    with open(full / "eval_results.json") as f:
+      results.append(json.load(f))
+  assert results[0] == results[1]
