@@ -50,6 +50,7 @@ def main(argv):
   eval_source = builders.data_source(config.data, config.data.eval_split)
   model_cfg, tokenizer, init_from_params = experiment.resolve_model(config, workdir, training=True)
   sharding.check_model_fits(model_cfg, mesh, rules)
+  log(experiment.truncation_report(config, tokenizer))
   graphdef, abstract_params = abstract_model(model_cfg)
   tx = train_step.make_optimizer(config.optimizer, config.total_steps)
   schedule = train_step.lr_schedule(config.optimizer, config.total_steps)

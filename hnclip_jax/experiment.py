@@ -135,6 +135,14 @@ def check_compatible(meta: dict, model_cfg: CLIPConfig, where: str) -> None:
                      ". Use the config it was trained with, or a fresh --workdir.")
 
 
+def truncation_report(config, tokenizer) -> str:
+  """How many training captions exceed the text context (they are truncated, keeping the end token)."""
+  captions = pipeline.read_captions(builders.data_source(config.data, config.data.train_split, decode_images=False))
+  long = sum(len(ids) + 2 > tokenizer.context_length for ids in tokenizer.encode_ids(captions))
+  return (f"{long} of {len(captions)} training captions ({100 * long / max(len(captions), 1):.1f}%) are longer "
+          f"than the {tokenizer.context_length}-token context and are truncated")
+
+
 def embed_split(params, embed_fn, source, tokenizer, model_cfg: CLIPConfig, mesh, batch_size: int):
   """Embeds every pair of `source` -> (img [N, E], txt [N, E]) NumPy on every process, pairs aligned by row."""
   sharding.check_batch_size(batch_size, mesh, "config.eval_batch_size")

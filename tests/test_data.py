@@ -46,7 +46,8 @@ def test_near_duplicate_groups():
 
 
 DATA = ml_collections.ConfigDict(dict(name="synthetic", data_dir="", train_split="train", eval_split="test",
-                                      num_train=48, num_test=20, group_size=4, image_size=32, seed=7))
+                                      num_train=48, num_test=20, group_size=4, image_size=32, seed=7,
+                                      manual_dir="", on_bad_example="error"))
 
 
 @pytest.fixture(scope="module")
@@ -120,16 +121,16 @@ def test_train_pipeline_is_deterministic_and_resumable(data_cfg, tokenizer):
   full = _take(iter(pipeline.train_dataset(src, tokenizer, **kw)), 7)
   resumed = _take(iter(pipeline.train_dataset(src, tokenizer, start_step=4, **kw)), 3)
   for a, b in zip(full[4:], resumed):
-    np.testing.assert_array_equal(a["image_id"], b["image_id"])
+    np.testing.assert_array_equal(a["index"], b["index"])
     np.testing.assert_array_equal(a["tokens"], b["tokens"])
     np.testing.assert_array_equal(a["image"], b["image"])
   b0 = full[0]
   assert b0["image"].shape == (16, 32, 32, 3) and b0["image"].dtype == np.float32
   assert b0["tokens"].shape == (16, 80)
   # One epoch = 3 batches of 16 without repeats; the next epoch is reshuffled.
-  epoch = np.concatenate([b["image_id"] for b in full[:3]])
+  epoch = np.concatenate([b["index"] for b in full[:3]])
   assert sorted(epoch.tolist()) == list(range(48))
-  assert not np.array_equal(epoch, np.concatenate([b["image_id"] for b in full[3:6]]))
+  assert not np.array_equal(epoch, np.concatenate([b["index"] for b in full[3:6]]))
   # CLIP normalisation of a known pixel value.
   np.testing.assert_allclose(pipeline.clip_preprocess(np.full((40, 32, 3), 255, np.uint8), 32)[0, 0],
                              (1 - pipeline.CLIP_MEAN) / pipeline.CLIP_STD, rtol=1e-6)
@@ -138,8 +139,8 @@ def test_train_pipeline_is_deterministic_and_resumable(data_cfg, tokenizer):
 def test_process_shards_are_disjoint_and_form_the_global_batch(data_cfg, tokenizer):
   src = builders.data_source(data_cfg, "train")
   kw = dict(image_size=32, global_batch=16, seed=0)
-  single = [b["image_id"] for b in _take(iter(pipeline.train_dataset(src, tokenizer, **kw)), 4)]
-  parts = [[b["image_id"] for b in _take(iter(pipeline.train_dataset(src, tokenizer, process_index=p,
+  single = [b["index"] for b in _take(iter(pipeline.train_dataset(src, tokenizer, **kw)), 4)]
+  parts = [[b["index"] for b in _take(iter(pipeline.train_dataset(src, tokenizer, process_index=p,
                                                                      process_count=2, **kw)), 4)]
            for p in range(2)]
   for k in range(4):
@@ -152,11 +153,11 @@ def test_eval_batches_pad_and_mask(data_cfg, tokenizer):
   src = builders.data_source(data_cfg, "test")
   batches = list(pipeline.eval_batches(src, tokenizer, image_size=32, batch_size=8))
   assert [b["mask"].sum() for b in batches] == [8, 8, 4]
-  ids = np.concatenate([b["image_id"][b["mask"]] for b in batches])
+  ids = np.concatenate([b["index"][b["mask"]] for b in batches])
   assert sorted(ids.tolist()) == list(range(20))
   # Three processes over 20 pairs (7, 7, 6): the same number of batches each, every pair exactly once.
   shares = [list(pipeline.eval_batches(src, tokenizer, image_size=32, batch_size=4, process_index=p,
                                        process_count=3)) for p in range(3)]
   assert [len(s) for s in shares] == [2, 2, 2]
-  ids = np.concatenate([b["image_id"][b["mask"]] for s in shares for b in s])
+  ids = np.concatenate([b["index"][b["mask"]] for s in shares for b in s])
   assert sorted(ids.tolist()) == list(range(20))

@@ -16,7 +16,15 @@ from hnclip_jax import pretrained  # noqa: E402
 from hnclip_jax.pretrained.clip_tokenizer import OPENAI_NUM_MERGES, CLIPTokenizer, byte_alphabet  # noqa: E402
 from conftest import ROOT, run_py  # noqa: E402
 
-OPENAI_BPE = os.path.join(os.path.dirname(ROOT), "shared", "data", "bpe_simple_vocab_16e6.txt.gz")
+# OpenAI's real merge list, from the project's shared/ folder beside the checkout (never copied into the repo).
+OPENAI_BPE = os.path.join(os.environ.get("HNCLIP_SHARED_DIR", os.path.join(os.path.dirname(ROOT), "shared")),
+                          "data", "bpe_simple_vocab_16e6.txt.gz")
+
+
+def setup_module():
+  if not os.path.exists(OPENAI_BPE):
+    raise FileNotFoundError(f"{OPENAI_BPE} is missing: the tokenizer tests read OpenAI's merge list from shared/data "
+                            "beside the checkout (or set HNCLIP_SHARED_DIR)")
 
 
 def hf_model(act="quick_gelu", vision_layers=2, text_layers=2, context=16, seed=0, head_dim=None, vocab=300):

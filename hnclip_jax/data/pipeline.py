@@ -48,8 +48,7 @@ class _Preprocess(grain.transforms.Map):
 
   def map(self, ex):
     return {"image": clip_preprocess(ex["image"], self.image_size),
-            "tokens": self.tokenizer([_caption(ex)])[0],
-            "image_id": np.int64(ex["image_id"])}
+            "tokens": self.tokenizer([_caption(ex)])[0]}
 
 
 class _LoadRows(grain.transforms.Map):
@@ -59,8 +58,11 @@ class _LoadRows(grain.transforms.Map):
     self.source, self.pre, self.rows = source, _Preprocess(tokenizer, image_size), rows
 
   def map(self, indices):
-    items = [self.pre.map(self.source[int(i)]) for i in indices[self.rows]]
-    return {k: np.stack([it[k] for it in items]) for k in items[0]}
+    mine = indices[self.rows]
+    items = [self.pre.map(self.source[int(i)]) for i in mine]
+    out = {k: np.stack([it[k] for it in items]) for k in items[0]}
+    out["index"] = np.asarray(mine, np.int64)  # record index in the source: which examples this batch holds
+    return out
 
 
 def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed: int, start_step: int = 0,
@@ -96,13 +98,15 @@ def eval_batches(source, tokenizer, *, image_size: int, batch_size: int, process
   """
   n_total = len(source)
   num_batches = -(-(-(-n_total // process_count)) // batch_size)
-  ds = grain.MapDataset.source(source)[process_index::process_count].map(_Preprocess(tokenizer, image_size))
-  n = len(ds)
-  template = ds[0] if n else _Preprocess(tokenizer, image_size).map(source[0])
+  mine = np.arange(process_index, n_total, process_count)
+  pre = _Preprocess(tokenizer, image_size)
+  template = pre.map(source[0])
   for b in range(num_batches):
-    items = [ds[i] for i in range(b * batch_size, min((b + 1) * batch_size, n))]
+    idx = mine[b * batch_size:(b + 1) * batch_size]
+    items = [pre.map(source[int(i)]) for i in idx]
     pad = batch_size - len(items)
     batch = {k: np.stack([it[k] for it in items] + [np.zeros_like(template[k])] * pad) for k in template}
+    batch["index"] = np.concatenate([idx, -np.ones(pad, np.int64)]).astype(np.int64)
     batch["mask"] = np.arange(batch_size) < len(items)
     yield batch
 

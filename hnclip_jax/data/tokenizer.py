@@ -54,12 +54,15 @@ class WordTokenizer:
     tok.train_from_iterator(texts, trainer=trainer)
     return cls(tok, context_length)
 
+  def encode_ids(self, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids without start/end tokens, padding or truncation."""
+    return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
   def __call__(self, texts: Sequence[str]) -> np.ndarray:
     """texts: N strings -> int32 [N, context_length]."""
     if isinstance(texts, str):
       raise TypeError("tokenizer expects a list of strings, got a single str")
-    enc = self._tok.encode_batch(list(texts), add_special_tokens=False)
-    out, self.last_truncated = pack([e.ids for e in enc], self.sot_id, self.eot_id, self.context_length)
+    out, self.last_truncated = pack(self.encode_ids(texts), self.sot_id, self.eot_id, self.context_length)
     return out
 
   def save(self, directory: str) -> None:

@@ -1,0 +1,59 @@
+"""Look at a dataset before training on it:
+
+  python -m hnclip_jax.data.inspect DATASET --split test [--manual_dir DIR] [--data_dir DIR] [--vocab PATH]
+
+Prints the example count, caption length statistics (words, tokens), the share of captions longer than 77 and
+248 tokens (they would be truncated), and a few examples. Tokens are CLIP BPE tokens when --vocab names a CLIP
+vocabulary (a directory with vocab.json + merges.txt / tokenizer.json, or bpe_simple_vocab_16e6.txt.gz), else
+word-level tokens of a vocabulary fitted on the split.
+"""
+import os
+
+import numpy as np
+from absl import app, flags
+
+from hnclip_jax.cli import clean_errors
+
+flags.DEFINE_string("split", "test", "Split to inspect.")
+flags.DEFINE_string("manual_dir", "", "Directory with the downloaded files (not needed for 'synthetic').")
+flags.DEFINE_string("data_dir", "", "TFDS data directory (default ~/tensorflow_datasets).")
+flags.DEFINE_string("vocab", "", "CLIP vocabulary for token counts (optional).")
+flags.DEFINE_integer("show", 3, "Number of examples to print.")
+flags.DEFINE_bool("skip_bad", False, "Build with on_bad_example=skip.")
+
+
+@clean_errors
+def main(argv):
+  if len(argv) != 2:
+    raise app.UsageError("usage: python -m hnclip_jax.data.inspect DATASET --split SPLIT")
+  from hnclip_jax.config import base_config
+  from hnclip_jax.data import builders, pipeline
+  from hnclip_jax.data.tokenizer import WordTokenizer
+  from hnclip_jax.pretrained.clip_tokenizer import CLIPTokenizer
+  f = flags.FLAGS
+  data = base_config().data
+  data.name, data.manual_dir, data.data_dir = argv[1], f.manual_dir, f.data_dir
+  data.on_bad_example = "skip" if f.skip_bad else "error"
+  source = builders.data_source(data, f.split, decode_images=False)
+  captions = pipeline.read_captions(source)
+  if f.vocab:
+    tok = (CLIPTokenizer.from_openai_bpe(f.vocab) if f.vocab.endswith(".gz")
+           else CLIPTokenizer.from_directory(f.vocab))
+    kind = "CLIP BPE"
+  else:
+    tok, kind = WordTokenizer.fit(captions, context_length=77), "word-level"
+  tokens = np.array([len(ids) + 2 for ids in tok.encode_ids(captions)])
+  words = np.array([len(c.split()) for c in captions])
+  print(f"{argv[1]}/{f.split}: {len(captions)} examples")
+  for name, v in (("words", words), (f"tokens ({kind}, with start/end)", tokens)):
+    print(f"  {name}: mean {v.mean():.1f}, median {np.median(v):.0f}, min {v.min()}, max {v.max()}")
+  for ctx in (77, 248):
+    print(f"  truncated at {ctx} tokens: {100 * np.mean(tokens > ctx):.1f}%")
+  for i in range(min(f.show, len(source))):
+    ex = source[i]
+    print(f"--- {ex['image_id'].decode() if isinstance(ex['image_id'], bytes) else ex['image_id']} "
+          f"({len(ex['image'])} image bytes)\n{captions[i]}")
+
+
+if __name__ == "__main__":
+  app.run(main)

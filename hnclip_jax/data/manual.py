@@ -1,0 +1,295 @@
+"""TFDS builders for the paper's benchmarks and for any folder of image/caption pairs (manual download).
+
+Each reads a dataset's native layout from a manual directory (`config.data.manual_dir`), validates every example,
+and writes array_record files with the original image bytes (never re-encoded), the caption and an image id.
+Bad examples (missing/corrupt image, empty or non-UTF-8 caption, duplicated id) stop the build with the file and
+line, or with `config.data.on_bad_example="skip"` are skipped and reported at the end of the build.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import glob
+import io
+import json
+import os
+
+import numpy as np
+import tensorflow_datasets as tfds
+from PIL import Image
+
+MAX_REPORTED = 5
+
+
+class BadExample(ValueError):
+  pass
+
+
+@dataclasses.dataclass
+class ManualConfig(tfds.core.BuilderConfig):
+  on_bad_example: str = "error"  # "error" | "skip"
+
+
+@dataclasses.dataclass
+class Pair:
+  image_id: str
+  image_path: str
+  caption: object  # str, or bytes to be decoded (checked)
+  where: str  # file:line, for error messages
+
+
+def _read_text(path: str, where: str) -> str:
+  with open(path, "rb") as f:
+    return _decode_caption(f.read(), where)
+
+
+def _decode_caption(raw, where: str) -> str:
+  if isinstance(raw, bytes):
+    try:
+      raw = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise BadExample(f"{where}: caption is not valid UTF-8 ({e}); re-save it as UTF-8") from e
+  if not isinstance(raw, str) or not raw.strip():
+    raise BadExample(f"{where}: caption is empty")
+  return raw.strip()
+
+
+def _image_bytes(path: str, where: str) -> bytes:
+  if not os.path.exists(path):
+    raise BadExample(f"{where}: image {path} is listed but does not exist")
+  with open(path, "rb") as f:
+    data = f.read()
+  try:
+    with Image.open(io.BytesIO(data)) as im:
+      fmt = im.format
+      im.load()  # decodes fully: catches truncated files that verify() lets through
+  except Exception as e:  # noqa: BLE001 — PIL raises many types for broken files
+    raise BadExample(f"{where}: image {path} is corrupt or truncated ({e})") from e
+  if fmt not in ("JPEG", "PNG"):
+    raise BadExample(f"{where}: image {path} is {fmt}; only JPEG and PNG are supported")
+  return data
+
+
+class _ManualPairs(tfds.core.GeneratorBasedBuilder):
+  """Shared machinery; subclasses implement `_pairs(manual_dir) -> {split: [Pair]}`."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  BUILDER_CONFIGS = [ManualConfig(name="default", on_bad_example="error"),
+                     ManualConfig(name="skip_bad", on_bad_example="skip")]
+
+  def _info(self):
+    return tfds.core.DatasetInfo(
+        builder=self, description=self.__doc__,
+        features=tfds.features.FeaturesDict({"image": tfds.features.Image(), "caption": tfds.features.Text(),
+                                             "image_id": tfds.features.Text()}))
+
+  def _split_generators(self, dl_manager):
+    manual_dir = str(dl_manager.manual_dir)
+    if not os.path.isdir(manual_dir):
+      raise FileNotFoundError(f"{self.name}: manual directory {manual_dir} does not exist.\n"
+                              f"{self.MANUAL_DOWNLOAD_INSTRUCTIONS}")
+    splits = self._pairs(manual_dir)
+    seen = {}
+    for split, pairs in splits.items():  # ids must be unique across all splits: a split never mixes examples
+      for p in pairs:
+        if p.image_id in seen:
+          self._bad(BadExample(f"{p.where}: duplicated image id {p.image_id!r} (first at {seen[p.image_id]})"))
+          p.image_id = None
+        else:
+          seen[p.image_id] = p.where
+    self._skipped = []
+    return {split: self._generate_examples([p for p in pairs if p.image_id is not None])
+            for split, pairs in splits.items()}
+
+  def _bad(self, err: BadExample):
+    if self.builder_config.on_bad_example != "skip":
+      raise BadExample(f"{self.name}: {err}. Fix the file, or set config.data.on_bad_example=skip to leave such "
+                       "examples out")
+    self._skipped = getattr(self, "_skipped", []) + [str(err)]
+
+  def _generate_examples(self, pairs):
+    for p in pairs:
+      try:
+        caption = _decode_caption(p.caption, p.where)
+        data = _image_bytes(p.image_path, p.where)
+      except BadExample as e:
+        self._bad(e)
+        continue
+      yield p.image_id, {"image": data, "caption": caption, "image_id": p.image_id}
+
+  def _download_and_prepare(self, *args, **kwargs):
+    super()._download_and_prepare(*args, **kwargs)
+    skipped = getattr(self, "_skipped", [])
+    if skipped:
+      first = "\n  ".join(skipped[:MAX_REPORTED])
+      print(f"{self.name}: skipped {len(skipped)} bad example(s); first {min(len(skipped), MAX_REPORTED)}:\n  {first}",
+            flush=True)
+      with open(os.path.join(self.data_path, "skipped_examples.txt"), "w") as f:
+        f.write("\n".join(skipped) + "\n")
+
+
+def _need(path: str, builder) -> str:
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{builder.name}: {path} is missing.\n{builder.MANUAL_DOWNLOAD_INSTRUCTIONS}")
+  return path
+
+
+class HnclipDocci(_ManualPairs):
+  """DOCCI: Descriptions of Connected and Contrasting Images (Google, 2024)."""
+
+  MANUAL_DOWNLOAD_INSTRUCTIONS = """\
+Download docci_descriptions.jsonlines and docci_images.tar.gz from the DOCCI page (google.github.io/docci),
+unpack the images so that MANUAL_DIR/images/<image_file> exist, and put docci_descriptions.jsonlines in
+MANUAL_DIR. Splits (train 9,647 / test 5,000 / qual_train / qual_test) come from its `split` field."""
+
+  def _pairs(self, manual_dir):
+    path = _need(os.path.join(manual_dir, "docci_descriptions.jsonlines"), self)
+    splits = {}
+    with open(path, "rb") as f:
+      for n, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        where = f"{path}:{n}"
+        try:
+          row = json.loads(line)
+          pair = Pair(str(row["example_id"]), os.path.join(manual_dir, "images", row["image_file"]),
+                      row["description"], where)
+          split = row["split"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+          self._bad(BadExample(f"{where}: not a DOCCI record with example_id, split, image_file, description ({e})"))
+          continue
+        splits.setdefault(split, []).append(pair)
+    return splits
+
+
+def _load_split_list(path: str, builder) -> list:
+  with open(_need(path, builder), encoding="utf-8") as f:
+    rows = json.load(f)
+  if not isinstance(rows, list) or not all(isinstance(r, dict) and "filename" in r for r in rows):
+    raise ValueError(f"{path}: expected a JSON list of objects with a 'filename' field")
+  return rows
+
+
+class HnclipDci(_ManualPairs):
+  """DCI: Densely Captioned Images (Meta, 2024); the caption of each image is its `extra_caption`."""
+
+  MANUAL_DOWNLOAD_INSTRUCTIONS = """\
+Download the DCI archive (github.com/facebookresearch/DCI: densely_captioned_images with annotations/ and
+photos/) and unpack it so that MANUAL_DIR/densely_captioned_images/annotations/*.json and
+MANUAL_DIR/densely_captioned_images/photos/ exist. Put the split lists used by published DCI fine-tuning code in
+MANUAL_DIR/splits/train.json and MANUAL_DIR/splits/test.json (JSON lists of {"filename", "caption"};
+train 5,445 / test 1,999 images)."""
+
+  def _pairs(self, manual_dir):
+    root = os.path.join(manual_dir, "densely_captioned_images")
+    ann_dir = _need(os.path.join(root, "annotations"), self)
+    by_image = {}
+    for path in sorted(glob.glob(os.path.join(ann_dir, "*.json"))):
+      try:
+        with open(path, "rb") as f:
+          ann = json.loads(f.read())
+        by_image[ann["image"]] = Pair(ann["image"], os.path.join(root, "photos", ann["image"]),
+                                      ann.get("extra_caption", ""), path)
+      except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+        self._bad(BadExample(f"{path}: not a DCI annotation with 'image' and 'extra_caption' ({e})"))
+    splits = {}
+    for split in ("train", "test"):
+      path = os.path.join(manual_dir, "splits", f"{split}.json")
+      for n, row in enumerate(_load_split_list(path, self)):
+        if row["filename"] not in by_image:
+          self._bad(BadExample(f"{path}[{n}]: {row['filename']} has no annotation in {ann_dir}"))
+          continue
+        splits.setdefault(split, []).append(dataclasses.replace(by_image[row["filename"]]))
+    return splits
+
+
+class HnclipLongDci(_ManualPairs):
+  """Long-DCI: long captions of the DCI photos (`dci_long.csv`); a test set."""
+
+  MANUAL_DOWNLOAD_INSTRUCTIONS = """\
+Put the tab-separated dci_long.csv (columns filepath, title) in MANUAL_DIR, with the DCI photos at the paths its
+`filepath` column names, relative to MANUAL_DIR (e.g. MANUAL_DIR/densely_captioned_images/photos/...)."""
+
+  def _pairs(self, manual_dir):
+    path = _need(os.path.join(manual_dir, "dci_long.csv"), self)
+    pairs = []
+    with open(path, "rb") as f:
+      raw = f.read()
+    try:
+      text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise BadExample(f"{path}: not UTF-8 ({e})") from e
+    reader = csv.DictReader(io.StringIO(text), delimiter="\t")
+    if not {"filepath", "title"} <= set(reader.fieldnames or []):
+      raise ValueError(f"{path}: expected tab-separated columns 'filepath' and 'title', got {reader.fieldnames}")
+    for n, row in enumerate(reader, 2):
+      fp = row["filepath"]
+      pairs.append(Pair(os.path.basename(fp), fp if os.path.isabs(fp) else os.path.join(manual_dir, fp),
+                        row["title"] or "", f"{path}:{n}"))
+    return {"test": pairs}
+
+
+class HnclipUrban1k(_ManualPairs):
+  """Urban-1K: 1,000 urban scenes with long captions (from the Long-CLIP release); a test set."""
+
+  MANUAL_DOWNLOAD_INSTRUCTIONS = """\
+Download Urban1k.zip (Long-CLIP release) and unpack it so that MANUAL_DIR/image/N.jpg and MANUAL_DIR/caption/N.txt
+exist for N = 1..1000."""
+
+  def _pairs(self, manual_dir):
+    img_dir = _need(os.path.join(manual_dir, "image"), self)
+    cap_dir = _need(os.path.join(manual_dir, "caption"), self)
+    images = {os.path.splitext(f)[0]: f for f in os.listdir(img_dir)}
+    captions = {os.path.splitext(f)[0] for f in os.listdir(cap_dir) if f.endswith(".txt")}
+    pairs = []
+    for key in sorted(images.keys() | captions, key=lambda k: (len(k), k)):
+      cap_path = os.path.join(cap_dir, f"{key}.txt")
+      if key not in captions:
+        self._bad(BadExample(f"{os.path.join(img_dir, images[key])}: no caption file {cap_path}"))
+        continue
+      if key not in images:
+        self._bad(BadExample(f"{cap_path}: no image {key}.jpg in {img_dir}"))
+        continue
+      with open(cap_path, "rb") as f:
+        pairs.append(Pair(key, os.path.join(img_dir, images[key]), f.read(), cap_path))
+    return {"test": pairs}
+
+
+class HnclipPairs(_ManualPairs):
+  """Any folder of image/caption pairs listed in pairs.json (a JSON list) or pairs.jsonl."""
+
+  MANUAL_DOWNLOAD_INSTRUCTIONS = """\
+Put pairs.json (a JSON list) or pairs.jsonl (one object per line) in MANUAL_DIR; each entry is
+{"filename": "relative/path.jpg", "caption": "...", "split": "train"} with filenames relative to MANUAL_DIR.
+"split" is optional (default "train"). Images must be JPEG or PNG."""
+
+  def _pairs(self, manual_dir):
+    js, jl = os.path.join(manual_dir, "pairs.json"), os.path.join(manual_dir, "pairs.jsonl")
+    rows = []
+    if os.path.exists(js):
+      with open(js, "rb") as f:
+        try:
+          data = json.loads(f.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+          raise ValueError(f"{js}: not valid UTF-8 JSON ({e})") from e
+      if not isinstance(data, list):
+        raise ValueError(f"{js}: expected a JSON list of {{'filename', 'caption'}} objects")
+      rows = [(f"{js}[{i}]", r) for i, r in enumerate(data)]
+    elif os.path.exists(jl):
+      with open(jl, "rb") as f:
+        for n, line in enumerate(f, 1):
+          if line.strip():
+            try:
+              rows.append((f"{jl}:{n}", json.loads(line)))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+              self._bad(BadExample(f"{jl}:{n}: not a JSON object ({e})"))
+    else:
+      _need(js, self)
+    splits = {}
+    for where, r in rows:
+      if not isinstance(r, dict) or "filename" not in r or "caption" not in r:
+        self._bad(BadExample(f"{where}: needs 'filename' and 'caption'"))
+        continue
+      splits.setdefault(r.get("split", "train"), []).append(
+          Pair(r["filename"], os.path.join(manual_dir, r["filename"]), r["caption"], where))
+    return splits

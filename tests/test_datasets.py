@@ -1,0 +1,204 @@
+"""The benchmark builders read tiny fixtures written in each dataset's exact native layout."""
+import io
+import json
+import os
+
+import ml_collections
+import numpy as np
+import pytest
+from PIL import Image
+
+from hnclip_jax.data import builders
+from conftest import run_py
+
+
+def image_bytes(seed, fmt="JPEG", size=(20, 16)):
+  arr = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
+  buf = io.BytesIO()
+  Image.fromarray(arr).save(buf, format=fmt)
+  return buf.getvalue()
+
+
+def write(path, data):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "wb" if isinstance(data, bytes) else "w", **({} if isinstance(data, bytes) else {"encoding": "utf-8"})) as f:
+    f.write(data)
+
+
+def cfg(name, manual_dir, data_dir, skip=False):
+  return ml_collections.ConfigDict(dict(name=name, manual_dir=str(manual_dir), data_dir=str(data_dir),
+                                        on_bad_example="skip" if skip else "error"))
+
+
+def read_all(config, split):
+  src = builders.data_source(config, split, decode_images=False)
+  return {src[i]["image_id"].decode(): (src[i]["caption"].decode(), src[i]["image"]) for i in range(len(src))}
+
+
+# ---------------------------------------------------------------------------------------------- DOCCI
+
+
+def docci_fixture(root, extra_lines=()):
+  rows = []
+  for i, split in enumerate(["train", "train", "train", "test", "test", "qual_train", "qual_test"]):
+    rows.append({"example_id": f"{split}_{i:05d}", "split": split, "image_file": f"{split}_{i:05d}.jpg",
+                 "description": f"Picture {i}: a {split} scene with a lamp, ünïcode, and {i} chairs."})
+    write(os.path.join(root, "images", f"{split}_{i:05d}.jpg"), image_bytes(i))
+  write(os.path.join(root, "docci_descriptions.jsonlines"),
+        "\n".join([json.dumps(r) for r in rows] + list(extra_lines)) + "\n")
+  return rows
+
+
+def test_docci(tmp_path):
+  rows = docci_fixture(tmp_path / "m")
+  c = cfg("docci", tmp_path / "m", tmp_path / "d")
+  for split in ("train", "test", "qual_train", "qual_test"):
+    got = read_all(c, split)
+    want = {r["example_id"]: r for r in rows if r["split"] == split}
+    assert set(got) == set(want)
+    for k, (cap, img) in got.items():
+      assert cap == want[k]["description"]
+      assert img == (tmp_path / "m" / "images" / want[k]["image_file"]).read_bytes()  # original bytes
+  assert not set(read_all(c, "train")) & set(read_all(c, "test"))
+
+
+def test_docci_bad_examples(tmp_path):
+  docci_fixture(tmp_path / "m", extra_lines=[
+      json.dumps({"example_id": "train_00000", "split": "test", "image_file": "train_00000.jpg", "description": "dup"})])
+  with pytest.raises(ValueError, match="duplicated image id 'train_00000'"):
+    read_all(cfg("docci", tmp_path / "m", tmp_path / "d"), "train")
+  # Missing image, truncated image, empty caption: skipped and reported with skip.
+  m = tmp_path / "m2"
+  rows = docci_fixture(m)
+  os.remove(m / "images" / rows[0]["image_file"])
+  data = (m / "images" / rows[1]["image_file"]).read_bytes()
+  (m / "images" / rows[1]["image_file"]).write_bytes(data[: len(data) // 2])
+  rows[3]["description"] = "   "  # a test example
+  write(str(m / "docci_descriptions.jsonlines"), "\n".join(json.dumps(r) for r in rows) + "\n")
+  with pytest.raises(ValueError, match=r"docci_descriptions.jsonlines:1: image .* does not exist"):
+    read_all(cfg("docci", m, tmp_path / "d2"), "train")
+  got = read_all(cfg("docci", m, tmp_path / "d3", skip=True), "train")
+  assert sorted(got) == [rows[2]["example_id"]]  # two of three train examples were bad
+  assert sorted(read_all(cfg("docci", m, tmp_path / "d3", skip=True), "test")) == [rows[4]["example_id"]]
+  report = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "d3") for f in fs if f == "skipped_examples.txt"]
+  text = open(report[0]).read()
+  assert "does not exist" in text and "corrupt or truncated" in text and "caption is empty" in text
+
+
+def test_missing_manual_dir_and_file(tmp_path):
+  with pytest.raises(ValueError, match="set config.data.manual_dir"):
+    builders.data_source(cfg("docci", "", tmp_path / "d"), "train")
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(FileNotFoundError, match="does not exist or is empty"):
+    builders.data_source(cfg("docci", tmp_path / "empty", tmp_path / "d"), "train")
+  (tmp_path / "other").mkdir()
+  (tmp_path / "other" / "readme.txt").write_text("x")
+  with pytest.raises(FileNotFoundError, match="docci_descriptions.jsonlines is missing"):
+    builders.data_source(cfg("docci", tmp_path / "other", tmp_path / "d"), "train")
+
+
+# ---------------------------------------------------------------------------------------------- DCI / Long-DCI
+
+
+def dci_fixture(root, n=6):
+  base = os.path.join(root, "densely_captioned_images")
+  for i in range(n):
+    name = f"sa_{1000 + i}.jpg"
+    write(os.path.join(base, "photos", name), image_bytes(100 + i))
+    write(os.path.join(base, "annotations", f"sa_{1000 + i}.json"),
+          json.dumps({"image": name, "short_caption": "short", "extra_caption": f"Dense caption number {i}.",
+                      "mask_data": {}}))
+  write(os.path.join(root, "splits", "train.json"),
+        json.dumps([{"filename": f"sa_{1000 + i}.jpg", "caption": "x"} for i in range(4)]))
+  write(os.path.join(root, "splits", "test.json"),
+        json.dumps([{"filename": f"sa_{1000 + i}.jpg", "caption": "x"} for i in range(4, n)]))
+
+
+def test_dci_and_long_dci(tmp_path):
+  m = tmp_path / "m"
+  dci_fixture(m)
+  c = cfg("dci", m, tmp_path / "d")
+  train, test = read_all(c, "train"), read_all(c, "test")
+  assert sorted(train) == [f"sa_{1000 + i}.jpg" for i in range(4)] and sorted(test) == ["sa_1004.jpg", "sa_1005.jpg"]
+  assert train["sa_1002.jpg"][0] == "Dense caption number 2."
+  write(str(m / "dci_long.csv"), "filepath\ttitle\n" + "".join(
+      f"densely_captioned_images/photos/sa_{1000 + i}.jpg\tA long caption, with commas, number {i}\n" for i in range(6)))
+  long = read_all(cfg("long_dci", m, tmp_path / "d"), "test")
+  assert len(long) == 6 and long["sa_1003.jpg"][0] == "A long caption, with commas, number 3"
+  assert long["sa_1003.jpg"][1] == (m / "densely_captioned_images" / "photos" / "sa_1003.jpg").read_bytes()
+
+
+def test_dci_split_list_naming_an_unknown_image(tmp_path):
+  m = tmp_path / "m"
+  dci_fixture(m)
+  write(str(m / "splits" / "test.json"), json.dumps([{"filename": "sa_9999.jpg", "caption": "x"}]))
+  with pytest.raises(ValueError, match=r"test.json\[0\]: sa_9999.jpg has no annotation"):
+    read_all(cfg("dci", m, tmp_path / "d"), "test")
+
+
+# ---------------------------------------------------------------------------------------------- Urban-1K, pairs
+
+
+def test_urban1k(tmp_path):
+  m = tmp_path / "m"
+  for i in range(1, 6):
+    write(str(m / "image" / f"{i}.jpg"), image_bytes(200 + i))
+    write(str(m / "caption" / f"{i}.txt"), f"Street {i} with tall buildings and a red bus.\n")
+  got = read_all(cfg("urban1k", m, tmp_path / "d"), "test")
+  assert sorted(got, key=int) == ["1", "2", "3", "4", "5"] and got["4"][0] == "Street 4 with tall buildings and a red bus."
+  write(str(m / "caption" / "6.txt"), b"\xff\xfe not utf-8")
+  write(str(m / "image" / "6.jpg"), image_bytes(206))
+  with pytest.raises(ValueError, match=r"6.txt: caption is not valid UTF-8"):
+    read_all(cfg("urban1k", m, tmp_path / "d2"), "test")
+
+
+def test_generic_pairs_json_and_jsonl(tmp_path):
+  m = tmp_path / "m"
+  entries = []
+  for i in range(5):
+    name = f"sub/img{i}.{'png' if i % 2 else 'jpg'}"
+    write(str(m / name), image_bytes(300 + i, "PNG" if i % 2 else "JPEG"))
+    entries.append({"filename": name, "caption": f"caption {i}", **({"split": "test"} if i >= 3 else {})})
+  write(str(m / "pairs.json"), json.dumps(entries))
+  c = cfg("pairs", m, tmp_path / "d")
+  assert sorted(read_all(c, "train")) == ["sub/img0.jpg", "sub/img1.png", "sub/img2.jpg"]
+  assert read_all(c, "test")["sub/img4.jpg"][0] == "caption 4"
+  m2 = tmp_path / "m2"
+  os.makedirs(m2)
+  for e in entries:
+    write(str(m2 / e["filename"]), (m / e["filename"]).read_bytes())
+  write(str(m2 / "pairs.jsonl"), "\n".join(json.dumps(e) for e in entries))
+  assert read_all(cfg("pairs", m2, tmp_path / "d2"), "train") == read_all(c, "train")
+
+
+def test_train_and_eval_on_pairs_from_scratch(tmp_path, tfds_dir):
+  m = tmp_path / "m"
+  words = ["red", "green", "blue", "circle", "square", "left", "right", "small", "large"]
+  entries = []
+  for i in range(40):
+    name = f"img{i}.png"
+    write(str(m / name), image_bytes(400 + i, "PNG", (24, 40)))
+    cap = " ".join(np.random.default_rng(i).choice(words, 8))
+    entries.append({"filename": name, "caption": f"{cap} number {i}", "split": "test" if i >= 32 else "train"})
+  write(str(m / "pairs.json"), json.dumps(entries))
+  args = ["--config", "configs/demo.py:test", "--workdir", str(tmp_path / "w"), "--config.data.name=pairs",
+          f"--config.data.manual_dir={m}", f"--config.data.data_dir={tmp_path / 'd'}", "--config.data.num_test=8"]
+  run_py(["train.py", *args])
+  run_py(["eval.py", *args])
+  with open(tmp_path / "w" / "eval_results.json") as f:
+    res = json.load(f)
+  assert res["dataset"] == "pairs" and res["num_pairs"] == 8
+  vocab = json.load(open(tmp_path / "w" / "tokenizer" / "tokenizer.json"))["model"]["vocab"]
+  assert "circle" in vocab and "number" in vocab  # fitted on this dataset's training captions
+
+
+def test_inspect_tool(tmp_path):
+  m = tmp_path / "m"
+  for i in range(1, 4):
+    write(str(m / "image" / f"{i}.jpg"), image_bytes(500 + i))
+    write(str(m / "caption" / f"{i}.txt"), " ".join(["word"] * (30 * i)))
+  proc = run_py(["-m", "hnclip_jax.data.inspect", "urban1k", "--split", "test", f"--manual_dir={m}",
+                 f"--data_dir={tmp_path / 'd'}"])
+  out = proc.stdout
+  assert "3 examples" in out and "words: mean 60.0" in out
+  assert "truncated at 77 tokens: 33.3%" in out and "truncated at 248 tokens: 0.0%" in out
