@@ -24,7 +24,8 @@ def main(argv):
   import numpy as np
 
   import hnclip_jax
-  from hnclip_jax import checkpoint, config as config_lib, experiment, faults, preemption, sharding, train_step
+  from hnclip_jax import (checkpoint, config as config_lib, diagnostics, experiment, faults, preemption, sharding,
+                          train_step)
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.metrics import MetricsWriter, Progress, log, quiet_libraries
   from hnclip_jax.models import abstract_model, init_params
@@ -77,6 +78,9 @@ def main(argv):
 
   step_fn = train_step.make_train_step(graphdef, tx, mesh, config, schedule, shardings)
   embed_fn = train_step.make_embed_fn(graphdef, mesh, shardings["params"])
+  diag_fn = diagnostics.make_batch_diagnostics(graphdef, mesh, config.loss.gamma) if config.diagnostics.log else None
+  compare_fn = (diagnostics.make_gradient_comparison(graphdef, mesh, config.loss.gamma, shardings["params"])
+                if config.diagnostics.every else None)
   meta = {"model": dataclasses.asdict(model_cfg), "tokenizer": tokenizer.kind, "mesh": dict(mesh.shape),
           "config": json.loads(config.to_json()), "code_version": hnclip_jax.code_version()}
   writer = MetricsWriter(workdir)
@@ -115,13 +119,21 @@ def main(argv):
       batch = next(batches)
       if faults.poisoned(step):
         batch = dict(batch, image=batch["image"] * np.nan)
-      state, metrics = step_fn(state, sharding.to_global(batch, mesh))
+      batch = sharding.to_global(batch, mesh)
+      logging_step = step % config.log_every == 0 or step == config.total_steps
+      extra = {}  # telemetry on the parameters this step starts from, only on the steps that log it
+      if diag_fn is not None and logging_step:
+        extra.update(diag_fn(state["params"], batch))
+      if compare_fn is not None and step % config.diagnostics.every == 0:
+        extra.update(compare_fn(state["params"], batch))
+      state, metrics = step_fn(state, batch)
       faults.maybe_kill("kill", step)
       stopping = stop.requested()
-      if step % config.log_every == 0 or step == config.total_steps or stopping:
-        scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      if logging_step or stopping or extra:
+        scalars = {k: float(v) for k, v in jax.device_get({**metrics, **extra}).items()}
         writer.write(step, scalars)
-        log(progress.line(step, scalars))
+        log(progress.line(step, {k.removeprefix("diag/"): v for k, v in scalars.items()
+                                 if not k.startswith("diag/") or k.endswith("saturated_frac")}))
       if step % config.checkpoint_every == 0 or step == config.total_steps or stopping:
         check_finite()
         ckpt.save(step, state, meta, force=True)

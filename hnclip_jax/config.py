@@ -40,6 +40,9 @@ def base_config() -> ml_collections.ConfigDict:
   # "skip" skips that update and counts it (metric nonfinite_steps).
   c.on_nonfinite = "error"
   c.async_checkpointing = True
+  # Saturation telemetry on every log step (one extra forward pass there); every `every` steps also the
+  # parameter gradients of HN-CLIP vs plain InfoNCE on the same batch (two backward passes). 0 turns them off.
+  c.diagnostics = ml_collections.ConfigDict({"log": True, "every": 0})
 
   c.grad_accum_steps = 1  # micro-batches per step, accumulated inside the jitted step
   # negatives: which batch Ḡ and the negatives span when grad_accum_steps > 1 ("micro_batch" | "global_batch").
@@ -66,7 +69,7 @@ def base_config() -> ml_collections.ConfigDict:
 POSITIVE = ("batch_size", "grad_accum_steps", "total_steps", "log_every", "checkpoint_every", "eval_every", "max_to_keep",
             "eval_batch_size", "data.num_train", "data.num_test", "data.group_size", "data.image_size",
             "optimizer.lr")
-NON_NEGATIVE = ("workers", "loss.chunk_size", "optimizer.weight_decay", "optimizer.warmup_steps", "loss.gamma")
+NON_NEGATIVE = ("workers", "loss.chunk_size", "diagnostics.every", "optimizer.weight_decay", "optimizer.warmup_steps", "loss.gamma")
 
 
 def _flatten(cfg, prefix=""):

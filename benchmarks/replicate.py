@@ -1,0 +1,159 @@
+"""Small-scale replication of the paper's claims on the built-in near-duplicate data (docs/replication.md).
+
+  python benchmarks/replicate.py --out /tmp/hnclip_replication            # full: ~35 min on 2 CPU cores
+  python benchmarks/replicate.py --out /tmp/r --quick                     # seconds-scale smoke run (the tests)
+
+1. Pre-train a tiny CLIP with plain InfoNCE (γ = 0): the "pre-trained initialisation".
+2. Fine-tune from it with each γ and seed, same budget, saturation telemetry on every logged step and the
+   HN-vs-InfoNCE parameter-gradient comparison every `--compare_every` steps.
+3. Data efficiency: γ = 0.5 on 20% of the training set vs γ = 0 on 100%.
+Writes results.json, table.md, recall_vs_gamma.png and saturation.png to --out. Every number comes from the runs'
+metrics.jsonl files, so the table can be regenerated from a finished --out with --report_only.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(args, log):
+  cmd = [sys.executable, "train.py", *args]
+  with open(log, "w") as f:
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+  if proc.returncode != 0:
+    raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}; see {log}")
+
+
+def rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def final_recall(workdir):
+  ev = [r for r in rows(workdir) if "eval/t2i/R@1" in r][-1]
+  return {f"{d}/R@{k}": ev[f"eval/{d}/R@{k}"] for d in ("t2i", "i2t") for k in (1, 5, 10)}
+
+
+def per_epoch(workdir, steps_per_epoch, key, pred):
+  """Fraction of logged steps per epoch where pred(row[key]) holds."""
+  out = {}
+  for r in rows(workdir):
+    if key in r:
+      e = (r["step"] - 1) // steps_per_epoch + 1
+      out.setdefault(e, []).append(bool(pred(r[key])))
+  return {e: float(np.mean(v)) for e, v in sorted(out.items())}
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", required=True)
+  p.add_argument("--quick", action="store_true")
+  p.add_argument("--report_only", action="store_true")
+  p.add_argument("--gammas", default="0,0.25,0.5,1.0")
+  p.add_argument("--seeds", default="0,1,2")
+  p.add_argument("--data_dir", default="")
+  a = p.parse_args()
+  out = os.path.abspath(a.out)
+  os.makedirs(out, exist_ok=True)
+  gammas = [float(g) for g in a.gammas.split(",")]
+  seeds = [int(s) for s in a.seeds.split(",")]
+  variant = "configs/demo.py:test" if a.quick else "configs/demo.py"
+  pre_steps, ft_steps, log_every = (4, 4, 1) if a.quick else (300, 100, 5)
+  num_train, batch = (128, 16) if a.quick else (4096, 128)
+  common = ["--config", variant, "--config.log_every=%d" % log_every, "--config.eval_every=100000",
+            "--config.checkpoint_every=100000"] + ([f"--config.data.data_dir={a.data_dir}"] if a.data_dir else [])
+  pre = os.path.join(out, "pretrain")
+  ft_args = ["--config.optimizer.lr=2e-4", "--config.optimizer.warmup_steps=0", f"--config.total_steps={ft_steps}",
+             f"--config.init_from={pre}", f"--config.diagnostics.every={2 if a.quick else 25}"]
+  runs = {(g, s): os.path.join(out, f"ft_gamma{g}_seed{s}") for g in gammas for s in seeds}
+  small = os.path.join(out, "ft_gamma0.5_20pct")
+  if not a.report_only:
+    if not os.path.exists(os.path.join(pre, "model.json")) or not rows(pre)[-1:] or \
+        rows(pre)[-1]["step"] < pre_steps:
+      run([*common, "--workdir", pre, "--config.loss.gamma=0", f"--config.total_steps={pre_steps}"],
+          os.path.join(out, "pretrain.log"))
+    for (g, s), w in runs.items():
+      run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}"], w + ".log")
+    run([*common, *ft_args, "--workdir", small, "--config.loss.gamma=0.5", "--config.seed=0",
+         f"--config.data.num_train={num_train // 5}"], small + ".log")
+
+  steps_per_epoch = max(1, num_train // batch)
+  results = {"pretrain": final_recall(pre), "by_gamma": {}, "saturation": {}, "setup": {
+      "pretrain_steps": pre_steps, "finetune_steps": ft_steps, "batch": batch, "num_train": num_train,
+      "seeds": seeds, "gammas": gammas, "config": variant}}
+  for g in gammas:
+    recs = [final_recall(runs[(g, s)]) for s in seeds]
+    results["by_gamma"][str(g)] = {k: [float(np.mean([r[k] for r in recs])), float(np.std([r[k] for r in recs]))]
+                                   for k in recs[0]}
+  for g in (0.0, 0.5):
+    if (g, seeds[0]) not in runs:
+      continue
+    w = runs[(g, seeds[0])]
+    name = "hn" if g else "infonce"
+    results["saturation"][str(g)] = {
+        "batch_loss_below_1e-3": per_epoch(w, steps_per_epoch, f"diag/{name}/loss", lambda v: v < 1e-3),
+        "examples_saturated_mean": per_epoch(w, steps_per_epoch, f"diag/{name}/saturated_frac", lambda v: v > 0.5),
+        "zero_embedding_gradient": per_epoch(w, steps_per_epoch, f"diag/{name}/emb_grad_zero", lambda v: v == 1),
+        "infonce_saturated_frac_mean": float(np.mean([r["diag/infonce/saturated_frac"] for r in rows(w)
+                                                      if "diag/infonce/saturated_frac" in r])),
+        "hn_saturated_frac_mean": float(np.mean([r["diag/hn/saturated_frac"] for r in rows(w)
+                                                 if "diag/hn/saturated_frac" in r])),
+    }
+    ratios = [r["diag/grad_norm_ratio_hn_over_infonce"] for r in rows(w) if "diag/grad_norm_ratio_hn_over_infonce" in r]
+    cos = [r["diag/grad_cosine"] for r in rows(w) if "diag/grad_cosine" in r]
+    results["saturation"][str(g)]["grad_norm_ratio_median"] = float(np.median(ratios)) if ratios else None
+    results["saturation"][str(g)]["grad_cosine_median"] = float(np.median(cos)) if cos else None
+  results["data_efficiency"] = {"gamma0.5_20pct": final_recall(small),
+                                "gamma0_100pct": results["by_gamma"].get("0.0")}
+  with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(results, f, indent=2)
+
+  lines = ["| γ | t2i R@1 | t2i R@5 | t2i R@10 | i2t R@1 | i2t R@5 | i2t R@10 |", "|---|---|---|---|---|---|---|"]
+  pr = results["pretrain"]
+  lines.append("| pre-trained (γ=0) | " + " | ".join(f"{pr[f'{d}/R@{k}']:.2f}" for d in ("t2i", "i2t")
+                                                    for k in (1, 5, 10)) + " |")
+  for g, r in results["by_gamma"].items():
+    lines.append(f"| {g} | " + " | ".join(f"{r[f'{d}/R@{k}'][0]:.2f} ± {r[f'{d}/R@{k}'][1]:.2f}"
+                                          for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
+  de = results["data_efficiency"]["gamma0.5_20pct"]
+  lines.append("| 0.5, 20% data, seed 0 | " + " | ".join(f"{de[f'{d}/R@{k}']:.2f}" for d in ("t2i", "i2t")
+                                                       for k in (1, 5, 10)) + " |")
+  with open(os.path.join(out, "table.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
+
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  gs = [float(g) for g in results["by_gamma"]]
+  for d in ("t2i", "i2t"):
+    m = [results["by_gamma"][str(g)][f"{d}/R@1"][0] for g in gs]
+    sd = [results["by_gamma"][str(g)][f"{d}/R@1"][1] for g in gs]
+    ax.errorbar(gs, m, yerr=sd, marker="o", capsize=3, label=f"{d} R@1")
+  ax.set(xlabel="γ", ylabel="R@1 (%)", title="fine-tuned from InfoNCE pre-training")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "recall_vs_gamma.png"), dpi=120)
+  plt.close(fig)
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  for g, sat in results["saturation"].items():
+    v = [r.get("diag/infonce/saturated_frac" if g == "0.0" else "diag/hn/saturated_frac")
+         for r in rows(runs[(float(g), seeds[0])])]
+    steps = [r["step"] for r in rows(runs[(float(g), seeds[0])])]
+    xs = [s for s, x in zip(steps, v) if x is not None]
+    ax.plot(xs, [x for x in v if x is not None], label=f"γ={g}")
+  ax.set(xlabel="fine-tuning step", ylabel="share of examples with loss < 1e-3", title="saturation")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "saturation.png"), dpi=120)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,104 @@
+"""Saturation telemetry, caption-geometry report and the replication script."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from hnclip_jax import diagnostics, losses
+from hnclip_jax.tools.caption_geometry import bucket_shares, similarity_stats
+from conftest import ROOT, run_py
+
+MESH = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+
+
+def test_margin_stats_match_numpy():
+  t = np.random.default_rng(0).normal(size=(12, 5)).astype(np.float32)
+  t /= np.linalg.norm(t, axis=1, keepdims=True)
+  mean, mx, hardest = jax.jit(lambda x: diagnostics.margin_stats(x, MESH))(t)
+  g = t.astype(np.float64) @ t.T
+  off = g[~np.eye(12, dtype=bool)]
+  np.testing.assert_allclose([mean, mx], [off.mean(), off.max()], rtol=1e-5)
+  np.fill_diagonal(g, -np.inf)
+  np.testing.assert_allclose(hardest, g.max(1).mean(), rtol=1e-5)
+
+
+def _embedding_diag(img, txt, scale, gamma):
+  """The telemetry of make_batch_diagnostics, on given embeddings (no towers)."""
+  out = {}
+  for name, g in (("hn", gamma), ("infonce", 0.0)):
+    def loss(i, t, g=g):
+      v, a, b = losses.sharded_hn_clip_loss(i, t, scale, g, MESH, ("data", "fsdp"))
+      return v, 0.5 * (a + b)
+    (v, per), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(img, txt)
+    out[name] = (float(v), float(jnp.mean(per < diagnostics.SATURATED)),
+                 float(jnp.sqrt(sum(jnp.sum(x * x) for x in grads))))
+  return out
+
+
+def test_saturated_infonce_has_exactly_zero_gradient_while_the_margin_keeps_learning():
+  """Two pairs whose captions are 0.36-similar; image→caption gaps of 1.13 cosine at s = 100.
+  InfoNCE: exp(-113) underflows in fp32, so the loss and its gradient are exactly 0. With γ = 3 the margin
+  lifts the negatives by s·γ·Ḡ = 108 logits and the loss is ~1e-2: still learning."""
+  th = 0.6
+  txt = np.array([[np.cos(th), np.sin(th), 0], [np.cos(th), -np.sin(th), 0]], np.float32)
+  img = np.array([[0, 1, 0], [0, -1, 0]], np.float32)
+  d = _embedding_diag(img, txt, 100.0, 3.0)
+  assert d["infonce"] == (0.0, 1.0, 0.0)
+  assert d["hn"][0] > 1e-3 and d["hn"][1] == 0.0 and d["hn"][2] > 0
+  # The dense reference agrees on the margin loss.
+  np.testing.assert_allclose(d["hn"][0], float(losses.hn_clip_loss(img, txt, 100.0, 3.0)), rtol=1e-5)
+
+
+def test_similarity_stats_and_buckets():
+  e = np.random.default_rng(1).normal(size=(50, 8)).astype(np.float32)
+  e /= np.linalg.norm(e, axis=1, keepdims=True)
+  counts, edges, hardest = similarity_stats(e, chunk=7)
+  g = e @ e.T
+  iu = np.triu_indices(50, 1)
+  np.testing.assert_array_equal(counts, np.histogram(np.clip(g[iu], -1, 1), edges)[0])
+  np.fill_diagonal(g, -np.inf)
+  np.testing.assert_allclose(hardest, g.max(1), rtol=1e-6)
+  shares = bucket_shares(np.array([[1, 0.96, 0.1], [0.96, 1, 0.75], [0.1, 0.75, 1]]))
+  assert shares == pytest.approx({"<0.5": 1 / 3, "0.5-0.7": 0, "0.7-0.8": 1 / 3, "0.8-0.9": 0, "0.9-0.95": 0,
+                                  ">=0.95": 1 / 3})
+
+
+@pytest.fixture(scope="module")
+def replication(tmp_path_factory, tfds_dir):
+  out = tmp_path_factory.mktemp("replication")
+  run_py(["benchmarks/replicate.py", "--quick", "--out", str(out), "--seeds", "0,1", "--gammas", "0,0.5",
+          f"--data_dir={tfds_dir}"], timeout=1200)
+  return out
+
+
+def test_replicate_quick_writes_its_outputs(replication):
+  res = json.load(open(replication / "results.json"))
+  assert set(res["by_gamma"]) == {"0.0", "0.5"} and set(res["saturation"]) == {"0.0", "0.5"}
+  assert all(len(v) == 2 for v in res["by_gamma"]["0.5"].values())  # mean, std
+  for name in ("table.md", "recall_vs_gamma.png", "saturation.png"):
+    assert os.path.getsize(replication / name) > 0
+  rows = [json.loads(line) for line in open(replication / "ft_gamma0.5_seed0" / "metrics.jsonl")]
+  logged = [r for r in rows if "diag/hn/saturated_frac" in r]
+  assert len(logged) == 4 and all("diag/G_offdiag_mean" in r for r in logged)
+  compared = [r for r in rows if "diag/grad_cosine" in r]
+  assert [r["step"] for r in compared] == [2, 4]
+  for r in compared:  # the comparison's HN gradient is the train step's gradient on the same batch
+    assert r["diag/hn/param_grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+    assert -1 <= r["diag/grad_cosine"] <= 1
+
+
+def test_caption_geometry_report(replication, tmp_path, tfds_dir):
+  out = tmp_path / "geometry"
+  run_py(["-m", "hnclip_jax.tools.caption_geometry", "--config", "configs/demo.py:test",
+          f"--config.data.data_dir={tfds_dir}", "--init_from", str(replication / "pretrain"), "--split", "test",
+          "--out", str(out)])
+  summary = json.load(open(out / "summary.json"))
+  assert summary["num_captions"] == 40 and summary["batch_size"] == 16
+  assert -1 <= summary["mean_pairwise_similarity"] <= summary["mean_hardest_negative_similarity"] <= 1
+  assert sum(summary["batch_negative_share_by_similarity"].values()) == pytest.approx(1.0)
+  for name in ("pairwise_similarity.png", "hardest_negative.png", "batch_G.png"):
+    assert os.path.getsize(out / name) > 1000
