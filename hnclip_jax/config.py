@@ -9,11 +9,14 @@ import ml_collections
 from hnclip_jax.models.clip import PRESETS
 
 
+RUNTIME_FIELDS = ("dtype", "remat")  # how to compute, not what to compute: top-level config.dtype / config.remat
+
+
 def model_config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
   """A named architecture as a ConfigDict (fields of `CLIPConfig`); `vocab_size=0`/`eot_token_id=-1` mean: from the tokenizer."""
   if preset not in PRESETS:
     raise ValueError(f"unknown model preset {preset!r}; known: {sorted(PRESETS)}")
-  d = dataclasses.asdict(PRESETS[preset])
+  d = {k: v for k, v in dataclasses.asdict(PRESETS[preset]).items() if k not in RUNTIME_FIELDS}
   unknown = set(overrides) - set(d)
   if unknown:
     raise ValueError(f"unknown model field(s) {sorted(unknown)}; known: {sorted(d)}")
@@ -33,6 +36,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_batch_size = 256
   c.workers = 0  # grain worker processes (0: threads in the main process)
   c.compilation_cache_dir = "~/.cache/hnclip_jax/xla"  # "" disables the persistent XLA cache
+  c.dtype = "float32"  # compute dtype of the towers ("bfloat16": bf16 matmuls; params, loss, softmax stay fp32)
+  c.remat = "none"  # rematerialise transformer blocks: "none" | "full" | "dots"
   # Start from these weights (fresh optimizer, step 0): a Hugging Face CLIP directory, an OpenAI/Long-CLIP .pt,
   # a converted directory (python -m hnclip_jax.pretrained.convert) or a train.py workdir. "" = from scratch.
   c.init_from = ""

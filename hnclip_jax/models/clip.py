@@ -35,6 +35,7 @@ class CLIPConfig:
   act: str = "quick_gelu"  # "quick_gelu" (OpenAI) or "gelu"
   ln_eps: float = 1e-5
   dtype: str = "float32"  # compute dtype; parameters are always fp32
+  remat: str = "none"  # rematerialise each transformer block in the backward pass: "none" | "full" | "dots"
 
   @classmethod
   def from_dict(cls, d) -> "CLIPConfig":
@@ -56,6 +57,10 @@ class CLIPConfig:
       w, h = getattr(self, f"{tower}_width"), getattr(self, f"{tower}_heads")
       if w % h:
         raise ValueError(f"config.model.{tower}_width={w} is not divisible by config.model.{tower}_heads={h}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"config.remat={self.remat!r}; choose one of {sorted(REMAT_POLICIES)}")
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"config.dtype={self.dtype!r}; choose 'float32' or 'bfloat16'")
     if self.act not in ACTIVATIONS:
       raise ValueError(f"config.model.act={self.act!r}; choose one of {sorted(ACTIVATIONS)}")
     if not 0 <= self.eot_token_id < self.vocab_size:
@@ -69,6 +74,9 @@ def quick_gelu(x):
 
 
 ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
+# "full": keep only each block's input, recompute the rest; "dots": also keep matmul outputs (no batch dims).
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims}
 
 # Named sizes. "tiny" is the CPU demo size; the others are OpenAI's.
 PRESETS = {
@@ -117,12 +125,16 @@ class Block(nnx.Module):
 
 class Transformer(nnx.Module):
 
-  def __init__(self, width, layers, heads, mlp_dim, act, eps, *, dtype, rngs):
+  def __init__(self, width, layers, heads, mlp_dim, act, eps, *, dtype, rngs, remat="none"):
     self.blocks = nnx.List([Block(width, heads, mlp_dim, act, eps, dtype=dtype, rngs=rngs) for _ in range(layers)])
+    self.remat = remat
 
   def __call__(self, x, causal):
+    apply = lambda block, h: block(h, causal)
+    if self.remat != "none":
+      apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat])
     for block in self.blocks:
-      x = block(x, causal)
+      x = apply(block, x)
     return x
 
 
@@ -147,14 +159,14 @@ class CLIP(nnx.Module):
     self.vision_positions = nnx.Param(normal(vw ** -0.5)(rngs.params(), (n_patches + 1, vw)))
     self.ln_pre = nnx.LayerNorm(vw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
     self.vision = Transformer(vw, cfg.vision_layers, cfg.vision_heads, cfg.vision_mlp_dim, cfg.act, cfg.ln_eps,
-                              dtype=dt, rngs=rngs)
+                              dtype=dt, rngs=rngs, remat=cfg.remat)
     self.ln_post = nnx.LayerNorm(vw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
     self.visual_projection = nnx.Param(normal(vw ** -0.5)(rngs.params(), (vw, cfg.embed_dim)))
     # Text tower.
     self.token_embedding = nnx.Embed(cfg.vocab_size, tw, embedding_init=normal(0.02), dtype=dt, rngs=rngs)
     self.text_positions = nnx.Param(normal(0.01)(rngs.params(), (cfg.text_context, tw)))
     self.text = Transformer(tw, cfg.text_layers, cfg.text_heads, cfg.text_mlp_dim, cfg.act, cfg.ln_eps,
-                            dtype=dt, rngs=rngs)
+                            dtype=dt, rngs=rngs, remat=cfg.remat)
     self.ln_final = nnx.LayerNorm(tw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
     self.text_projection = nnx.Param(normal(tw ** -0.5)(rngs.params(), (tw, cfg.embed_dim)))
     self.logit_scale = nnx.Param(jnp.asarray(math.log(1 / 0.07), jnp.float32))

@@ -1,0 +1,65 @@
+"""Fast paths stay within tolerance of the reference path: bf16 compute, rematerialisation."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hnclip_jax import losses
+from hnclip_jax.models import CLIPConfig, bind, init_params
+
+CFG = CLIPConfig(embed_dim=32, image_size=32, patch_size=8, vision_width=64, vision_layers=2, vision_heads=4,
+                 vision_mlp_dim=128, text_context=16, vocab_size=100, text_width=64, text_layers=2, text_heads=4,
+                 text_mlp_dim=128, eot_token_id=3)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  _, params = init_params(CFG, 0)
+  r = np.random.default_rng(0)
+  pixels = r.normal(size=(8, 32, 32, 3)).astype(np.float32)
+  tokens = np.concatenate([np.full((8, 1), 2), r.integers(4, 100, (8, 10)), np.full((8, 1), 3),
+                           np.zeros((8, 4), np.int64)], 1).astype(np.int32)
+  return params, pixels, tokens
+
+
+def loss_and_grads(cfg, params, pixels, tokens):
+  graphdef, _ = init_params(cfg, 0)
+
+  def loss(p):
+    m = bind(graphdef, p)
+    return losses.hn_clip_loss(m.encode_image(pixels), m.encode_text(tokens), m.scale(), 0.5)
+
+  return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_bf16_close_to_fp32(setup):
+  params, pixels, tokens = setup
+  f32 = bind(init_params(CFG, 0)[0], params)
+  b16 = bind(init_params(dataclasses.replace(CFG, dtype="bfloat16"), 0)[0], params)
+  for a, b in ((f32.encode_image(pixels), b16.encode_image(pixels)), (f32.encode_text(tokens), b16.encode_text(tokens))):
+    assert b.dtype == jnp.float32  # embeddings leave the towers in fp32
+    cos = np.sum(np.asarray(a) * np.asarray(b), axis=1)
+    assert cos.min() > 0.99, cos
+  l32, _ = loss_and_grads(CFG, params, pixels, tokens)
+  l16, g16 = loss_and_grads(dataclasses.replace(CFG, dtype="bfloat16"), params, pixels, tokens)
+  assert abs(float(l16) - float(l32)) / float(l32) < 0.02
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g16))  # fp32 parameters and gradients
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_gives_the_same_gradients(setup, policy):
+  params, pixels, tokens = setup
+  l0, g0 = loss_and_grads(CFG, params, pixels, tokens)
+  l1, g1 = loss_and_grads(dataclasses.replace(CFG, remat=policy), params, pixels, tokens)
+  assert float(l1) == pytest.approx(float(l0), rel=1e-6)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_bad_dtype_and_remat_are_named():
+  with pytest.raises(ValueError, match="config.remat='some'"):
+    dataclasses.replace(CFG, remat="some").validate()
+  with pytest.raises(ValueError, match="config.dtype='float16'"):
+    dataclasses.replace(CFG, dtype="float16").validate()
