@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One prepared run of benchmarks 1, 3, 4 (N = 1M) and 5 on whatever accelerator JAX sees; < 8 minutes on one
+# modern GPU. Results (JSON + the printed tables) go to ${OUT:-accelerator_results}/.
+#   bash benchmarks/accelerator.sh            # full sizes
+#   bash benchmarks/accelerator.sh --quick    # CPU-sized smoke run (what the tests run)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-accelerator_results}"
+mkdir -p "$out"
+if [[ "${1:-}" == "--quick" ]]; then
+  steps=(--models tiny --batch tiny=16 --reps 2); mem=(--memory_only tiny --batch tiny=16)
+  retr=(--sizes 2000 --methods hnclip --argsort_max 0); loss=(--batches 512,1024 --chunk 64 --dim 64 --devices 2)
+else
+  steps=(--models tiny,vit_b16 --batch tiny=1024,vit_b16=256 --reps 10); mem=(--memory_only vit_l14 --batch vit_l14=256)
+  retr=(--sizes 100000,1000000 --methods hnclip --argsort_max 0)
+  loss=(--batches 1024,4096,16384,65536 --chunk 256 --dim 768 --devices 1)
+fi
+python -c "import jax; print(jax.devices())" | tee "$out/devices.txt"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true; } >> "$out/devices.txt"
+python benchmarks/step_time.py "${steps[@]}" --json "$out/step_time.json" | tee "$out/step_time.txt"
+python benchmarks/step_time.py "${mem[@]}" --json "$out/memory.json" | tee "$out/memory.txt"
+python benchmarks/retrieval.py "${retr[@]}" --json "$out/retrieval.json" | tee "$out/retrieval.txt"
+python benchmarks/loss_memory.py "${loss[@]}" --json "$out/loss_memory.json" | tee "$out/loss_memory.txt"
+echo "results in $out"

@@ -1,0 +1,56 @@
+"""Helpers shared by the benchmark scripts: timing, model FLOPs, peak matmul rate, tables."""
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def median_time(fn, reps: int, warmup: int = 1) -> float:
+  """Median wall time of fn() (which must block until done) over `reps` runs after `warmup` runs."""
+  for _ in range(warmup):
+    fn()
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+def peak_matmul_flops(n: int = 2048, reps: int = 5) -> float:
+  """FLOP/s of a large fp32 jnp.dot on the default device, measured now."""
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  return 2 * n ** 3 / median_time(lambda: f(a).block_until_ready(), reps)
+
+
+def tower_flops(tokens: int, width: int, layers: int, mlp: int) -> float:
+  """Forward matmul FLOPs of a transformer tower on one sequence (q,k,v,out projections, attention, MLP)."""
+  per_layer = 2 * tokens * (4 * width * width + 2 * width * mlp) + 2 * 2 * tokens * tokens * width
+  return layers * per_layer
+
+
+def clip_train_flops(cfg, batch: int) -> float:
+  """Analytic FLOPs of one HN-CLIP train step (forward + backward ≈ 3 × forward, plus the loss matrices)."""
+  patches = (cfg.image_size // cfg.patch_size) ** 2
+  img = (tower_flops(patches + 1, cfg.vision_width, cfg.vision_layers, cfg.vision_mlp_dim)
+         + 2 * patches * cfg.patch_size ** 2 * 3 * cfg.vision_width + 2 * cfg.vision_width * cfg.embed_dim)
+  txt = (tower_flops(cfg.text_context, cfg.text_width, cfg.text_layers, cfg.text_mlp_dim)
+         + 2 * cfg.text_width * cfg.embed_dim)
+  loss = 3 * 2 * batch * batch * cfg.embed_dim  # S, Sᵀ, Ḡ
+  return 3 * (batch * (img + txt) + loss)
+
+
+def table(rows, cols) -> str:
+  out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  for r in rows:
+    out.append("| " + " | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+  return "\n".join(out)
+
+
+def dump(path, obj):
+  if path:
+    with open(path, "w") as f:
+      json.dump(obj, f, indent=2)
