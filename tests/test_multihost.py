@@ -39,7 +39,7 @@ def _assert_same(workdir, reference):
   assert got_eval[0] == pytest.approx(want_eval[0])
 
 
-@pytest.mark.parametrize("layout", [(2, 2, 2), (4, 1, 2)])
+@pytest.mark.parametrize("layout", [(8, 1, 1), (2, 4, 1), (1, 8, 1), (2, 2, 2), (4, 1, 2)])
 def test_layouts_train_like_one_device(tmp_path, tfds_dir, reference, layout):
   d, f, t = layout
   run_py(["train.py", *COMMON, f"--config.data.data_dir={tfds_dir}", "--workdir", str(tmp_path),
