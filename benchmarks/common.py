@@ -54,3 +54,20 @@ def dump(path, obj):
   if path:
     with open(path, "w") as f:
       json.dump(obj, f, indent=2)
+
+
+def make_step(cfg, gamma: float, mesh, opt_overrides=None):
+  """A jitted HN-CLIP train step for model config `cfg` on `mesh` -> (step, tx, state shardings, graphdef)."""
+  import ml_collections
+  from hnclip_jax import sharding, train_step
+  from hnclip_jax.models import abstract_model
+  opt = ml_collections.ConfigDict(dict(lr=1e-4, weight_decay=0.1, warmup_steps=1, b1=0.9, b2=0.98, eps=1e-6,
+                                       grad_clip_norm=1.0, **(opt_overrides or {})))
+  tx = train_step.make_optimizer(opt, 1000)
+  graphdef, abstract = abstract_model(cfg)
+  state_abs = jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract)
+  sh = sharding.state_shardings(state_abs, "params", mesh, sharding.parse_rules(sharding.DEFAULT_RULES))
+  run_cfg = ml_collections.ConfigDict({"loss": {"gamma": gamma, "chunk_size": 0, "negatives": "global_batch"},
+                                       "grad_accum_steps": 1})
+  step = train_step.make_train_step(graphdef, tx, mesh, run_cfg, train_step.lr_schedule(opt, 1000), sh)
+  return step, tx, sh, graphdef

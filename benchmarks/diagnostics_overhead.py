@@ -13,7 +13,7 @@ import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import median_time  # noqa: E402
+from benchmarks.common import make_step, median_time  # noqa: E402
 from hnclip_jax import diagnostics, sharding, train_step  # noqa: E402
 from hnclip_jax.models import PRESETS, init_params  # noqa: E402
 
@@ -26,15 +26,8 @@ def main():
   a = p.parse_args()
   cfg = PRESETS["tiny"].__class__(**{**PRESETS["tiny"].__dict__, "vocab_size": 128, "eot_token_id": 3})
   mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
-  opt = ml_collections.ConfigDict(dict(lr=1e-4, weight_decay=0.1, warmup_steps=1, b1=0.9, b2=0.98, eps=1e-6,
-                                       grad_clip_norm=1.0))
-  tx = train_step.make_optimizer(opt, 1000)
-  graphdef, params = init_params(cfg, 0)
-  state_abs = jax.eval_shape(lambda q: train_step.init_state(q, tx), params)
-  sh = sharding.state_shardings(state_abs, "params", mesh, sharding.parse_rules(sharding.DEFAULT_RULES))
-  run_cfg = ml_collections.ConfigDict({"loss": {"gamma": 0.5, "chunk_size": 0, "negatives": "global_batch"},
-                                       "grad_accum_steps": 1})
-  step = train_step.make_train_step(graphdef, tx, mesh, run_cfg, train_step.lr_schedule(opt, 1000), sh)
+  step, tx, sh, graphdef = make_step(cfg, 0.5, mesh)
+  _, params = init_params(cfg, 0)
   diag = diagnostics.make_batch_diagnostics(graphdef, mesh, 0.5)
   compare = diagnostics.make_gradient_comparison(graphdef, mesh, 0.5, sh["params"])
   r = np.random.default_rng(0)

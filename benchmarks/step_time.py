@@ -17,21 +17,15 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import clip_train_flops, dump, median_time, peak_matmul_flops, table  # noqa: E402
+from benchmarks.common import clip_train_flops, dump, make_step, median_time, peak_matmul_flops, table  # noqa: E402
 from hnclip_jax import sharding, train_step  # noqa: E402
 from hnclip_jax.models import PRESETS, abstract_model, init_params  # noqa: E402
 
 
 def build(cfg, batch, gamma, mesh):
-  graphdef, abstract = abstract_model(cfg)
-  config = ml_collections.ConfigDict({"loss": {"gamma": gamma, "chunk_size": 0, "negatives": "global_batch"},
-                                      "grad_accum_steps": 1})
-  opt = ml_collections.ConfigDict(dict(lr=1e-4, weight_decay=0.1, warmup_steps=10, b1=0.9, b2=0.98, eps=1e-6,
-                                       grad_clip_norm=1.0))
-  tx = train_step.make_optimizer(opt, 1000)
+  step, tx, sh, graphdef = make_step(cfg, gamma, mesh)
+  _, abstract = abstract_model(cfg)
   state_abs = jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract)
-  sh = sharding.state_shardings(state_abs, "params", mesh, sharding.parse_rules(sharding.DEFAULT_RULES))
-  step = train_step.make_train_step(graphdef, tx, mesh, config, train_step.lr_schedule(opt, 1000), sh)
   batch_abs = {"image": jax.ShapeDtypeStruct((batch, cfg.image_size, cfg.image_size, 3), jnp.float32),
                "tokens": jax.ShapeDtypeStruct((batch, cfg.text_context), jnp.int32)}
   return step, state_abs, sh, tx, batch_abs

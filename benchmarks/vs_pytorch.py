@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from benchmarks.common import dump, median_time, table  # noqa: E402
+from benchmarks.common import dump, make_step, median_time, table  # noqa: E402
 from hnclip_jax import sharding, train_step  # noqa: E402
 from hnclip_jax.models import CLIPConfig, init_params  # noqa: E402
 
@@ -77,15 +77,9 @@ def main():
                      vision_heads=heads, vision_mlp_dim=mlp, text_context=ctx, vocab_size=vocab, text_width=w,
                      text_layers=layers, text_heads=heads, text_mlp_dim=mlp, eot_token_id=vocab - 1)
     mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
-    ocfg = ml_collections.ConfigDict(dict(lr=1e-4, weight_decay=0.1, warmup_steps=0, b1=0.9, b2=0.999, eps=1e-8,
-                                          grad_clip_norm=0.0))
-    tx = train_step.make_optimizer(ocfg, 1000)
-    graphdef, params = init_params(cfg, 0)
-    state_abs = jax.eval_shape(lambda q: train_step.init_state(q, tx), params)
-    sh = sharding.state_shardings(state_abs, "params", mesh, sharding.parse_rules(sharding.DEFAULT_RULES))
-    run_cfg = ml_collections.ConfigDict({"loss": {"gamma": 0.5, "chunk_size": 0, "negatives": "global_batch"},
-                                         "grad_accum_steps": 1})
-    step = train_step.make_train_step(graphdef, tx, mesh, run_cfg, train_step.lr_schedule(ocfg, 1000), sh)
+    # torch.optim.AdamW's defaults, no clipping: the same update on both sides.
+    step, tx, sh, _ = make_step(cfg, 0.5, mesh, dict(warmup_steps=0, b2=0.999, eps=1e-8, grad_clip_norm=0.0))
+    _, params = init_params(cfg, 0)
     state = jax.jit(lambda: train_step.init_state(params, tx), out_shardings=sh)()
     batch = sharding.to_global({"image": pixels, "tokens": ids.astype(np.int32)}, mesh)
     holder = [state]

@@ -1,6 +1,5 @@
 """Synthetic data, its TFDS builder (array_record, no TensorFlow), the tokenizer and the grain pipeline."""
 import io
-import json
 
 import ml_collections
 import numpy as np

@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 
 from hnclip_jax import diagnostics, losses
 from hnclip_jax.tools.caption_geometry import bucket_shares, similarity_stats
-from conftest import ROOT, run_py
+from conftest import run_py
 
 MESH = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
 

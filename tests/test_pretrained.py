@@ -1,6 +1,5 @@
 """Pretrained weights, tokenizer and preprocessing against Hugging Face transformers (PyTorch, CPU)."""
 import gzip
-import io
 import json
 import os
 import string

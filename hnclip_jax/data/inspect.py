@@ -7,7 +7,6 @@ Prints the example count, caption length statistics (words, tokens), the share o
 vocabulary (a directory with vocab.json + merges.txt / tokenizer.json, or bpe_simple_vocab_16e6.txt.gz), else
 word-level tokens of a vocabulary fitted on the split.
 """
-import os
 
 import numpy as np
 from absl import app, flags

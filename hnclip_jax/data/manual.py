@@ -14,7 +14,6 @@ import io
 import json
 import os
 
-import numpy as np
 import tensorflow_datasets as tfds
 from PIL import Image
 

@@ -31,10 +31,13 @@ def pack(ids: Sequence[Sequence[int]], sot_id: int, eot_id: int, context_length:
   return out, truncated
 
 
-class WordTokenizer:
-  """Lower-cased word-level tokenizer. Ids: 0 pad, 1 unknown, 2 start-of-text, 3 end-of-text, then words."""
+class PackedTokenizer:
+  """A `tokenizers.Tokenizer` plus CLIP-style packing: tok(texts) -> int32 [N, context_length].
 
-  kind = "word"
+  Subclasses set `kind` (saved with the files, to load the right class back). Padding is id 0.
+  """
+
+  kind = ""
 
   def __init__(self, tok: tokenizers.Tokenizer, context_length: int):
     if context_length < 3:
@@ -42,17 +45,11 @@ class WordTokenizer:
     self._tok = tok
     self.context_length = int(context_length)
     self.vocab_size = tok.get_vocab_size()
-    self.sot_id, self.eot_id, self.pad_id = tok.token_to_id(SOT), tok.token_to_id(EOT), tok.token_to_id(PAD)
+    self.sot_id, self.eot_id = tok.token_to_id(SOT), tok.token_to_id(EOT)
     self.last_truncated = 0
 
-  @classmethod
-  def fit(cls, texts: Iterable[str], context_length: int, min_frequency: int = 1) -> "WordTokenizer":
-    tok = tokenizers.Tokenizer(models.WordLevel(unk_token=UNK))
-    tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(special_tokens=[PAD, UNK, SOT, EOT], min_frequency=min_frequency)
-    tok.train_from_iterator(texts, trainer=trainer)
-    return cls(tok, context_length)
+  def with_context(self, context_length: int):
+    return type(self)(self._tok, context_length)
 
   def encode_ids(self, texts: Sequence[str]) -> list[list[int]]:
     """Token ids without start/end tokens, padding or truncation."""
@@ -72,8 +69,23 @@ class WordTokenizer:
       json.dump({"type": self.kind, "context_length": self.context_length}, f)
 
   @classmethod
-  def load(cls, directory: str, meta: dict) -> "WordTokenizer":
+  def load(cls, directory: str, meta: dict):
     return cls(tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json")), meta["context_length"])
+
+
+class WordTokenizer(PackedTokenizer):
+  """Lower-cased word-level tokenizer. Ids: 0 pad, 1 unknown, 2 start-of-text, 3 end-of-text, then words."""
+
+  kind = "word"
+
+  @classmethod
+  def fit(cls, texts: Iterable[str], context_length: int, min_frequency: int = 1) -> "WordTokenizer":
+    tok = tokenizers.Tokenizer(models.WordLevel(unk_token=UNK))
+    tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=[PAD, UNK, SOT, EOT], min_frequency=min_frequency)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return cls(tok, context_length)
 
 
 TOKENIZERS = {WordTokenizer.kind: WordTokenizer}

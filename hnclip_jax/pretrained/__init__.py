@@ -75,9 +75,7 @@ class Pretrained:
       raise ValueError(f"text context {old} can only be stretched to {expected} (Long-CLIP: keep 20, ×4); "
                        f"asked for {context}")
     params = dict(self.params, text_positions=stretch_positions(np.asarray(self.params["text_positions"])))
-    tok = self.tokenizer
-    if tok is not None:
-      tok = type(tok)(tok._tok, context)
+    tok = self.tokenizer.with_context(context) if self.tokenizer is not None else None
     return Pretrained(dataclasses.replace(self.config, text_context=context), params, tok, self.source)
 
   def save(self, out_dir: str) -> None:

@@ -16,13 +16,10 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from typing import Sequence
-
-import numpy as np
 import tokenizers
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 
-from hnclip_jax.data.tokenizer import META_FILE, TOKENIZERS, pack
+from hnclip_jax.data.tokenizer import TOKENIZERS, PackedTokenizer
 
 SOT, EOT = "<|startoftext|>", "<|endoftext|>"
 CLIP_PATTERN = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
@@ -81,17 +78,10 @@ def _read_hf_merges(path: str) -> list[tuple[str, str]]:
   return merges
 
 
-class CLIPTokenizer:
+class CLIPTokenizer(PackedTokenizer):
   """tok(texts) -> int32 [N, context_length]; see the module docstring."""
 
   kind = "clip_bpe"
-
-  def __init__(self, tok: tokenizers.Tokenizer, context_length: int = 77):
-    self._tok = tok
-    self.context_length = int(context_length)
-    self.vocab_size = tok.get_vocab_size()
-    self.sot_id, self.eot_id, self.pad_id = tok.token_to_id(SOT), tok.token_to_id(EOT), 0
-    self.last_truncated = 0
 
   @classmethod
   def from_openai_bpe(cls, path: str, context_length: int = 77) -> "CLIPTokenizer":
@@ -128,26 +118,6 @@ class CLIPTokenizer:
       return cls.from_openai_bpe(j("bpe_simple_vocab_16e6.txt.gz"), context_length)
     raise FileNotFoundError(f"no CLIP vocabulary in {directory}: expected vocab.json + merges.txt, tokenizer.json, "
                             "or bpe_simple_vocab_16e6.txt.gz")
-
-  def encode_ids(self, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids without start/end tokens, padding or truncation."""
-    return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
-
-  def __call__(self, texts: Sequence[str]) -> np.ndarray:
-    if isinstance(texts, str):
-      raise TypeError("tokenizer expects a list of strings, got a single str")
-    out, self.last_truncated = pack(self.encode_ids(texts), self.sot_id, self.eot_id, self.context_length)
-    return out
-
-  def save(self, directory: str) -> None:
-    os.makedirs(directory, exist_ok=True)
-    self._tok.save(os.path.join(directory, "tokenizer.json"))
-    with open(os.path.join(directory, META_FILE), "w") as f:
-      json.dump({"type": self.kind, "context_length": self.context_length}, f)
-
-  @classmethod
-  def load(cls, directory: str, meta: dict) -> "CLIPTokenizer":
-    return cls(tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json")), meta["context_length"])
 
 
 TOKENIZERS[CLIPTokenizer.kind] = CLIPTokenizer
