@@ -61,8 +61,8 @@ def make_step(cfg, gamma: float, mesh, opt_overrides=None):
   import ml_collections
   from hnclip_jax import sharding, train_step
   from hnclip_jax.models import abstract_model
-  opt = ml_collections.ConfigDict(dict(lr=1e-4, weight_decay=0.1, warmup_steps=1, b1=0.9, b2=0.98, eps=1e-6,
-                                       grad_clip_norm=1.0, **(opt_overrides or {})))
+  opt = ml_collections.ConfigDict({**dict(lr=1e-4, weight_decay=0.1, warmup_steps=1, b1=0.9, b2=0.98, eps=1e-6,
+                                          grad_clip_norm=1.0), **(opt_overrides or {})})
   tx = train_step.make_optimizer(opt, 1000)
   graphdef, abstract = abstract_model(cfg)
   state_abs = jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract)
