@@ -7,7 +7,6 @@ the state: per-leaf sum|x| and sum x², compared on restore).
 """
 from __future__ import annotations
 
-import functools
 import os
 import time
 
@@ -25,7 +24,7 @@ class CheckpointError(RuntimeError):
   """A checkpoint could not be written; earlier checkpoints are untouched."""
 
 
-@functools.partial(jax.jit)
+@jax.jit
 def _leaf_stats(leaves):
   return [jnp.stack([jnp.sum(jnp.abs(x.astype(jnp.float32))), jnp.sum(jnp.square(x.astype(jnp.float32)))])
           for x in leaves]

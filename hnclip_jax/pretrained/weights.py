@@ -38,6 +38,15 @@ def stretch_positions(pos: np.ndarray, keep: int = 20, factor: int = 4) -> np.nd
   return np.concatenate([head, mids, tail]).astype(pos.dtype)
 
 
+def _linear(sd, name):
+  """A PyTorch Linear (weight [out, in]) -> our kernel [in, out] and bias."""
+  return {"kernel": sd[name + ".weight"].T, "bias": sd[name + ".bias"]}
+
+
+def _norm(sd, name):
+  return {"scale": sd[name + ".weight"], "bias": sd[name + ".bias"]}
+
+
 # --------------------------------------------------------------------------- Hugging Face
 
 
@@ -76,8 +85,7 @@ def _hf_blocks(sd, prefix, layers):
   out = {}
   for i in range(layers):
     p = f"{prefix}.encoder.layers.{i}."
-    lin = lambda name: {"kernel": sd[p + name + ".weight"].T, "bias": sd[p + name + ".bias"]}
-    ln = lambda name: {"scale": sd[p + name + ".weight"], "bias": sd[p + name + ".bias"]}
+    lin, ln = (lambda name: _linear(sd, p + name)), (lambda name: _norm(sd, p + name))
     out[i] = {"ln1": ln("layer_norm1"), "ln2": ln("layer_norm2"),
               "attn": {k: lin(f"self_attn.{k}_proj") for k in ("q", "k", "v")} | {"out": lin("self_attn.out_proj")},
               "fc1": lin("mlp.fc1"), "fc2": lin("mlp.fc2")}
@@ -85,7 +93,7 @@ def _hf_blocks(sd, prefix, layers):
 
 
 def hf_params(sd: dict, cfg: CLIPConfig, where: str) -> dict:
-  ln = lambda name: {"scale": sd[name + ".weight"], "bias": sd[name + ".bias"]}
+  ln = lambda name: _norm(sd, name)
   try:
     return {
         "patch_embed": {"kernel": sd["vision_model.embeddings.patch_embedding.weight"].transpose(2, 3, 1, 0)},
@@ -143,15 +151,14 @@ def _openai_blocks(sd, prefix, layers):
     width = w.shape[1]
     qkv = {k: {"kernel": w[j * width:(j + 1) * width].T, "bias": b[j * width:(j + 1) * width]}
            for j, k in enumerate("qkv")}
-    lin = lambda name: {"kernel": sd[p + name + ".weight"].T, "bias": sd[p + name + ".bias"]}
-    ln = lambda name: {"scale": sd[p + name + ".weight"], "bias": sd[p + name + ".bias"]}
+    lin, ln = (lambda name: _linear(sd, p + name)), (lambda name: _norm(sd, p + name))
     out[i] = {"ln1": ln("ln_1"), "ln2": ln("ln_2"), "attn": qkv | {"out": lin("attn.out_proj")},
               "fc1": lin("mlp.c_fc"), "fc2": lin("mlp.c_proj")}
   return out
 
 
 def openai_params(sd: dict, cfg: CLIPConfig) -> dict:
-  ln = lambda name: {"scale": sd[name + ".weight"], "bias": sd[name + ".bias"]}
+  ln = lambda name: _norm(sd, name)
   positions = sd["positional_embedding"]
   if "positional_embedding_res" in sd:  # Long-CLIP: two tables, split at position 20
     positions = np.concatenate([positions[:LONGCLIP_KEEP], sd["positional_embedding_res"][LONGCLIP_KEEP:]])
