@@ -128,7 +128,7 @@ def main(argv):
         extra.update(compare_fn(state["params"], batch))
       state, metrics = step_fn(state, batch)
       faults.maybe_kill("kill", step)
-      stopping = stop.requested()
+      stopping = stop.requested(step)
       if logging_step or stopping or extra:
         scalars = {k: float(v) for k, v in jax.device_get({**metrics, **extra}).items()}
         writer.write(step, scalars)

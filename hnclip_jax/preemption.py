@@ -11,25 +11,47 @@ from jax.experimental import multihost_utils
 
 
 class StopRequest:
-  """Turns the first SIGTERM/SIGINT into a request to stop after the current step; a second one kills as usual."""
+  """Turns the first SIGTERM/SIGINT into a request to stop after the current step; a second one kills as usual.
+
+  One process: a Python signal handler sets a flag. Several processes: JAX's preemption service (started by
+  `jax.distributed.initialize`) catches SIGTERM on any process and agrees, through the coordination service, on
+  one step at which every process stops, so no per-step collective is needed; SIGINT is forwarded to it as
+  SIGTERM. Without that service (`jax_enable_preemption_service=False`) the flag is all-gathered every step.
+  """
 
   def __init__(self):
     self.signal_name = None
     self._previous = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      self._previous[sig] = signal.signal(sig, self._handle)
+    self._service = jax.process_count() > 1 and jax.config.jax_enable_preemption_service
+    if self._service:
+      self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._forward)
+    else:
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._handle)
 
   def _handle(self, signum, frame):
     self.signal_name = signal.Signals(signum).name
     for sig, handler in self._previous.items():  # a second signal gets the default behaviour
       signal.signal(sig, handler)
 
-  def requested(self) -> bool:
-    """True on every process as soon as any process got a signal (processes must stop at the same step)."""
+  def _forward(self, signum, frame):
+    self._handle(signum, frame)
+    os.kill(os.getpid(), signal.SIGTERM)  # JAX's preemption notifier owns SIGTERM on multi-process runs
+
+  def requested(self, step: int) -> bool:
+    """True on every process, at the same step, once any process got a signal. Call it after every step."""
+    if self._service:
+      if multihost_utils.reached_preemption_sync_point(step):
+        self.signal_name = self.signal_name or "SIGTERM to one of the processes"
+        return True
+      return False
     local = self.signal_name is not None
     if jax.process_count() == 1:
       return local
-    return bool(np.max(multihost_utils.process_allgather(np.int32(local))))
+    if np.max(multihost_utils.process_allgather(np.int32(local))):
+      self.signal_name = self.signal_name or "a signal to another process"
+      return True
+    return False
 
 
 def check_workdir(workdir: str) -> None:

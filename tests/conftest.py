@@ -25,15 +25,19 @@ def _env(devices, env_extra=None):
   return env
 
 
-def run_processes(args, *, num_processes: int, devices_per_process: int, timeout: int = 600):
-  """Runs `python ARGS` as a multi-process JAX job on 127.0.0.1; returns the processes' outputs."""
+def start_processes(args, *, num_processes: int, devices_per_process: int, env_extra=None):
+  """Starts `python ARGS` as a multi-process JAX job on 127.0.0.1; returns the Popen objects."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  procs = [subprocess.Popen([sys.executable, *args, f"--coordinator_address=127.0.0.1:{port}",
-                             f"--num_processes={num_processes}", f"--process_id={i}"],
-                            cwd=ROOT, env=_env(devices_per_process), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for i in range(num_processes)]
+  return [subprocess.Popen([sys.executable, *args, f"--coordinator_address=127.0.0.1:{port}",
+                            f"--num_processes={num_processes}", f"--process_id={i}"],
+                           cwd=ROOT, env=_env(devices_per_process, env_extra), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True) for i in range(num_processes)]
+
+
+def collect_processes(procs, args, *, timeout: int = 600):
+  """Waits for the processes of `start_processes`; raises with their output if any failed."""
   outs = []
   try:
     for p in procs:
@@ -46,6 +50,12 @@ def run_processes(args, *, num_processes: int, devices_per_process: int, timeout
       raise AssertionError(f"process {i} of python {' '.join(args)} failed ({p.returncode}):\n{out[-3000:]}\n"
                            f"{err[-6000:]}")
   return outs
+
+
+def run_processes(args, *, num_processes: int, devices_per_process: int, timeout: int = 600):
+  """Runs `python ARGS` as a multi-process JAX job on 127.0.0.1; returns the processes' outputs."""
+  procs = start_processes(args, num_processes=num_processes, devices_per_process=devices_per_process)
+  return collect_processes(procs, args, timeout=timeout)
 
 
 def run_py(args, *, devices: int = 1, timeout: int = 600, check: bool = True, env_extra=None):

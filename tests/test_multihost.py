@@ -1,10 +1,12 @@
 """train.py/eval.py across layouts and across processes give the numbers of a single device/process."""
 import json
 import os
+import signal
+import time
 
 import pytest
 
-from conftest import run_processes, run_py
+from conftest import collect_processes, run_processes, run_py, start_processes
 
 COMMON = ["--config", "configs/demo.py:test", "--config.total_steps=3", "--config.log_every=1",
           "--config.eval_every=3", "--config.checkpoint_every=3", "--config.data.num_test=41"]
@@ -57,3 +59,31 @@ def test_two_processes_train_and_eval_like_one(tmp_path, tfds_dir, reference):
   run_processes(["eval.py", *args], num_processes=2, devices_per_process=4)
   got, want = _eval(workdir), _eval(reference)
   assert got["num_pairs"] == 41 and got == want  # 41 pairs over 2 processes: none dropped or doubled
+
+
+@pytest.mark.parametrize("service", [True, False], ids=["preemption_service", "allgather_fallback"])
+def test_sigterm_on_one_process_stops_all_at_the_same_step(tmp_path, tfds_dir, service):
+  """A preemption notice to process 1 only: both processes stop at the same step, the checkpoint of that step is
+  written and both exit 0. By default JAX's preemption service picks the step (no per-step collective); with the
+  service off, the stop flag is all-gathered every step."""
+  workdir = tmp_path / "stop"
+  args = ["train.py", "--config", "configs/demo.py:test", "--config.total_steps=100000", "--config.log_every=1",
+          "--config.eval_every=100000", "--config.checkpoint_every=100000", f"--config.data.data_dir={tfds_dir}",
+          "--workdir", str(workdir)]
+  procs = start_processes(args, num_processes=2, devices_per_process=4,
+                          env_extra={"JAX_ENABLE_PREEMPTION_SERVICE": str(service).lower()})
+  try:
+    path = workdir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= 3):
+      time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)
+  finally:
+    outs = collect_processes(procs, args, timeout=120)
+  reason = "SIGTERM to one of the processes" if service else "a signal to another process"
+  stopped = int(outs[0][0].split(f"{reason}: stopped after step ")[1].split(";")[0])
+  assert stopped >= 3
+  checkpoints = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
+  assert checkpoints == [stopped]
+  with open(path) as f:
+    assert json.loads(f.readlines()[-1])["step"] == stopped
