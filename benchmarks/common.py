@@ -19,11 +19,18 @@ def median_time(fn, reps: int, warmup: int = 1) -> float:
   return statistics.median(times)
 
 
-def peak_matmul_flops(n: int = 2048, reps: int = 5) -> float:
-  """FLOP/s of a large fp32 jnp.dot on the default device, measured now."""
+def peak_matmul_probe(n: int = 2048):
+  """A function that returns the FLOP/s of a large fp32 jnp.dot on the default device, measured when called
+  (compiled once, so it can be called between timed steps to track a shared machine's drifting speed)."""
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
   f = jax.jit(lambda x: x @ x)
-  return 2 * n ** 3 / median_time(lambda: f(a).block_until_ready(), reps)
+  f(a).block_until_ready()
+  return lambda reps=3: 2 * n ** 3 / median_time(lambda: f(a).block_until_ready(), reps, warmup=0)
+
+
+def peak_matmul_flops(n: int = 2048, reps: int = 5) -> float:
+  """FLOP/s of a large fp32 jnp.dot on the default device, measured now."""
+  return peak_matmul_probe(n)(reps)
 
 
 def tower_flops(tokens: int, width: int, layers: int, mlp: int) -> float:

@@ -2,6 +2,7 @@
 import json
 import os
 import subprocess
+import sys
 
 from conftest import ROOT, _env
 
@@ -15,9 +16,21 @@ def test_accelerator_script_quick_mode(tmp_path):
   assert steps["model"] == "tiny" and steps["step_s_gamma0.5"] > 0
   # The analytic FLOP count agrees with XLA's cost analysis.
   assert abs(steps["analytic_TFLOP"] / steps["xla_TFLOP"] - 1) < 0.05
+  # The margin's extra B×B product shows up in XLA's FLOP count (γ = 0 compiles without it), and it is small.
+  assert 0 < steps["margin_xla_flops_pct"] < 1
+  assert 0 < steps["MFU_pct"] and steps["overhead_min_pct"] <= steps["margin_overhead_pct"] <= steps["overhead_max_pct"]
   retr = json.load(open(tmp_path / "retrieval.json"))
   assert retr[0]["method"] == "hnclip" and retr[0]["n"] == 2000
   loss = json.load(open(tmp_path / "loss_memory.json"))
   assert [r["global_batch"] for r in loss] == [512, 1024]
   for name in ("memory.json", "devices.txt"):
     assert os.path.getsize(tmp_path / name) > 0
+
+
+def test_stop_check_benchmark_runs(tmp_path):
+  out = tmp_path / "stop.json"
+  proc = subprocess.run([sys.executable, "benchmarks/stop_check.py", "--steps", "20", "--reps", "1", "--json", str(out)],
+                        cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  ms = json.load(open(out))["ms_per_step"]
+  assert sorted(ms) == ["allgather", "none", "sync_point"] and min(ms.values()) > 0
