@@ -11,7 +11,7 @@ if [[ "${1:-}" == "--quick" ]]; then
   steps=(--models tiny --batch tiny=16 --reps 2); mem=(--memory_only tiny --batch tiny=16)
   retr=(--sizes 2000 --methods hnclip --argsort_max 0); loss=(--batches 512,1024 --chunk 64 --dim 64 --devices 2)
 else
-  steps=(--models tiny,vit_b16 --batch tiny=1024,vit_b16=256 --reps 10); mem=(--memory_only vit_l14 --batch vit_l14=256)
+  steps=(--models tiny,vit_b16 --batch tiny=1024,vit_b16=256 --reps 10 --peak_n 8192); mem=(--memory_only vit_l14 --batch vit_l14=256)
   retr=(--sizes 100000,1000000 --methods hnclip --argsort_max 0)
   loss=(--batches 1024,4096,16384,65536 --chunk 256 --dim 768 --devices 1)
 fi
