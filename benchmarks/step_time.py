@@ -42,6 +42,7 @@ def main():
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--memory_only", default="")
   p.add_argument("--dtype", default="float32")
+  p.add_argument("--attention", default="auto", help="config.attention: auto | xla | cudnn (GPU, bfloat16)")
   p.add_argument("--peak_n", type=int, default=2048, help="size of the square matmul that probes the peak")
   p.add_argument("--baseline_gamma", type=float, default=0.0,
                  help="γ of the baseline program; 0.5 gives an A/A control (two copies of the same step)")
@@ -50,10 +51,11 @@ def main():
   batches = dict(kv.split("=") for kv in a.batch.split(","))
   mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
   dev = f"{jax.device_count()}× {jax.devices()[0].device_kind}"
-  results = {"device": dev, "models": []}
+  results = {"device": dev, "dtype": a.dtype, "attention": a.attention, "models": []}
   if a.memory_only:
     for name in a.memory_only.split(","):
-      cfg = PRESETS[name].__class__(**{**PRESETS[name].__dict__, "vocab_size": 49408, "dtype": a.dtype})
+      cfg = PRESETS[name].__class__(**{**PRESETS[name].__dict__, "vocab_size": 49408, "dtype": a.dtype,
+                                                          "attention": a.attention})
       b = int(batches[name])
       for gamma in (0.0, 0.5):
         step, state_abs, sh, _, batch_abs = build(cfg, b, gamma, mesh)
@@ -70,7 +72,7 @@ def main():
   rows = []
   for name in a.models.split(","):
     cfg = PRESETS[name].__class__(**{**PRESETS[name].__dict__, "vocab_size": 49408 if name != "tiny" else 1024,
-                                     "eot_token_id": 3, "dtype": a.dtype})
+                                     "eot_token_id": 3, "dtype": a.dtype, "attention": a.attention})
     b = int(batches[name])
     r = np.random.default_rng(0)
     batch = sharding.to_global({"image": r.normal(size=(b, cfg.image_size, cfg.image_size, 3)).astype(np.float32),
@@ -110,7 +112,7 @@ def main():
   results["models"] = rows
   results["peak_matmul_TFLOPs"] = float(np.median(peaks)) / 1e12
   results["peak_matmul_TFLOPs_range"] = [min(peaks) / 1e12, max(peaks) / 1e12]
-  print(f"train step, {dev}, {a.dtype}; peak matmul ({a.peak_n}³) {min(peaks) / 1e12:.3f}-{max(peaks) / 1e12:.3f} "
+  print(f"train step, {dev}, {a.dtype}, attention={a.attention}; peak matmul ({a.peak_n}³) {min(peaks) / 1e12:.3f}-{max(peaks) / 1e12:.3f} "
         "TFLOP/s measured between the steps")
   print(table(rows, list(rows[0])))
   dump(a.json, results)

@@ -9,7 +9,9 @@ import ml_collections
 from hnclip_jax.models.clip import PRESETS
 
 
-RUNTIME_FIELDS = ("dtype", "remat")  # how to compute, not what to compute: top-level config.dtype / config.remat
+# How to compute, not what to compute: set at the top level (config.dtype, config.remat, config.attention), not
+# stored with a checkpoint's model, and free to change between runs of the same workdir.
+RUNTIME_FIELDS = ("dtype", "remat", "attention")
 
 
 def model_config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
@@ -38,6 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.compilation_cache_dir = "~/.cache/hnclip_jax/xla"  # "" disables the persistent XLA cache
   c.dtype = "float32"  # compute dtype of the towers ("bfloat16": bf16 matmuls; params, loss, softmax stay fp32)
   c.remat = "none"  # rematerialise transformer blocks: "none" | "full" | "dots"
+  c.attention = "auto"  # jax.nn.dot_product_attention implementation: "auto" | "xla" | "cudnn" (GPU, bf16)
   # Start from these weights (fresh optimizer, step 0): a Hugging Face CLIP directory, an OpenAI/Long-CLIP .pt,
   # a converted directory (python -m hnclip_jax.pretrained.convert) or a train.py workdir. "" = from scratch.
   c.init_from = ""

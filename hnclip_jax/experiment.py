@@ -13,6 +13,7 @@ from hnclip_jax import sharding
 from hnclip_jax.data import builders, pipeline
 from hnclip_jax.data.tokenizer import WordTokenizer, load_tokenizer
 from hnclip_jax.evaluation import recall_at_k
+from hnclip_jax.config import RUNTIME_FIELDS
 from hnclip_jax.models import CLIPConfig
 
 
@@ -48,6 +49,15 @@ def tokenizer_dir(workdir: str) -> str:
 MODEL_JSON = "model.json"
 
 
+def runtime(cfg: CLIPConfig, config) -> CLIPConfig:
+  """`cfg` with this run's compute settings (config.dtype, config.remat, config.attention)."""
+  cfg = dataclasses.replace(cfg, **{k: config[k] for k in RUNTIME_FIELDS}).validate()
+  if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
+    raise ValueError(f"config.attention='cudnn' needs an NVIDIA GPU; this run's backend is "
+                     f"{jax.default_backend()}. Use config.attention='auto'")
+  return cfg
+
+
 def resolve_model(config, workdir: str, *, training: bool):
   """The run's architecture and tokenizer -> (CLIPConfig, tokenizer, initial params or None).
 
@@ -55,7 +65,7 @@ def resolve_model(config, workdir: str, *, training: bool):
   resuming and eval.py never need the original weights again. On a first start:
   with config.init_from, the architecture and tokenizer come from those weights
   (text positions are stretched if config.model.text_context asks for more, as
-  Long-CLIP does; config.dtype and config.remat apply); without it, from config.model and
+  Long-CLIP does; config.dtype, config.remat and config.attention apply); without it, from config.model and
   a tokenizer fitted on the training captions.
   """
   model_json = os.path.join(workdir, MODEL_JSON)
@@ -65,7 +75,7 @@ def resolve_model(config, workdir: str, *, training: bool):
     tok = load_tokenizer(tokenizer_dir(workdir))
     if not config.init_from:
       check_compatible({"model": dataclasses.asdict(cfg)}, model_config(config, tok), model_json)
-    return dataclasses.replace(cfg, dtype=config.dtype, remat=config.remat), tok, None
+    return runtime(cfg, config), tok, None
   if not training:
     raise FileNotFoundError(f"{model_json} is missing: {workdir} is not a train.py workdir (train first)")
   params = None
@@ -77,14 +87,14 @@ def resolve_model(config, workdir: str, *, training: bool):
     if pre.tokenizer is None:
       raise FileNotFoundError(f"config.init_from={config.init_from} has no tokenizer files next to the weights "
                               "(vocab.json + merges.txt, tokenizer.json or bpe_simple_vocab_16e6.txt.gz)")
-    cfg, tok, params = dataclasses.replace(pre.config, dtype=config.dtype, remat=config.remat), pre.tokenizer, pre.params
+    cfg, tok, params = runtime(pre.config, config), pre.tokenizer, pre.params
   else:
     tok = get_tokenizer(config, workdir, fit_if_missing=True)
     cfg = model_config(config, tok)
   if jax.process_index() == 0:
     tok.save(tokenizer_dir(workdir))
     with open(model_json, "w") as f:
-      json.dump({k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("dtype", "remat")}, f, indent=2)
+      json.dump({k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUNTIME_FIELDS}, f, indent=2)
   return cfg, tok, params
 
 
@@ -119,7 +129,7 @@ def model_config(config, tokenizer) -> CLIPConfig:
   if d["vocab_size"] < tokenizer.vocab_size:
     raise ValueError(f"config.model.vocab_size={d['vocab_size']} is smaller than the tokenizer's "
                      f"vocabulary ({tokenizer.vocab_size}); set it to 0 to take the tokenizer's size")
-  return CLIPConfig.from_dict({**d, "dtype": config.dtype, "remat": config.remat}).validate()
+  return runtime(CLIPConfig.from_dict(d), config)
 
 
 def check_compatible(meta: dict, model_cfg: CLIPConfig, where: str) -> None:
@@ -129,7 +139,7 @@ def check_compatible(meta: dict, model_cfg: CLIPConfig, where: str) -> None:
     raise ValueError(f"{where} has no model config in its metadata; it was not written by hnclip_jax")
   mine = dataclasses.asdict(model_cfg)
   diffs = [f"model.{k}: checkpoint={saved.get(k)!r}, config={v!r}" for k, v in mine.items()
-           if k not in ("dtype", "remat") and saved.get(k) != v]
+           if k not in RUNTIME_FIELDS and saved.get(k) != v]
   if diffs:
     raise ValueError(f"checkpoint {where} was written for a different model: " + "; ".join(diffs) +
                      ". Use the config it was trained with, or a fresh --workdir.")

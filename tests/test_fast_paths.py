@@ -1,4 +1,4 @@
-"""Fast paths stay within tolerance of the reference path: bf16 compute, rematerialisation."""
+"""Fast paths stay within tolerance of the reference path: bf16 compute, rematerialisation, attention kernels."""
 import dataclasses
 
 import jax
@@ -6,8 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hnclip_jax import losses
+import ml_collections
+from flax import nnx
+
+from hnclip_jax import experiment, losses
 from hnclip_jax.models import CLIPConfig, bind, init_params
+from hnclip_jax.models.clip import Attention
 
 CFG = CLIPConfig(embed_dim=32, image_size=32, patch_size=8, vision_width=64, vision_layers=2, vision_heads=4,
                  vision_mlp_dim=128, text_context=16, vocab_size=100, text_width=64, text_layers=2, text_heads=4,
@@ -63,3 +67,40 @@ def test_bad_dtype_and_remat_are_named():
     dataclasses.replace(CFG, remat="some").validate()
   with pytest.raises(ValueError, match="config.dtype='float16'"):
     dataclasses.replace(CFG, dtype="float16").validate()
+
+
+def numpy_attention(x, attn, causal):
+  """Multi-head self-attention in float64 NumPy, from the module's projection weights."""
+  x = np.asarray(x, np.float64)
+  proj = lambda lin: x @ np.asarray(lin.kernel[...], np.float64) + np.asarray(lin.bias[...], np.float64)
+  b, l, w = x.shape
+  h = attn.heads
+  q, k, v = (proj(lin).reshape(b, l, h, w // h) for lin in (attn.q, attn.k, attn.v))
+  s = np.einsum("blhd,bmhd->bhlm", q, k) / np.sqrt(w // h)
+  if causal:
+    s = np.where(np.tril(np.ones((l, l), bool)), s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  o = np.einsum("bhlm,bmhd->blhd", p, v).reshape(b, l, w)
+  return o @ np.asarray(attn.out.kernel[...], np.float64) + np.asarray(attn.out.bias[...], np.float64)
+
+
+@pytest.mark.parametrize("impl", ["auto", "xla"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_implementations_match_numpy(impl, causal):
+  attn = Attention(64, 4, dtype=jnp.float32, rngs=nnx.Rngs(0), implementation=impl)
+  x = np.random.default_rng(1).normal(size=(3, 11, 64)).astype(np.float32)
+  np.testing.assert_allclose(attn(jnp.asarray(x), causal), numpy_attention(x, attn, causal), rtol=1e-4, atol=1e-5)
+
+
+def test_bad_attention_is_named():
+  with pytest.raises(ValueError, match="config.attention='flash'"):
+    dataclasses.replace(CFG, attention="flash").validate()
+  with pytest.raises(ValueError, match="needs config.dtype='bfloat16'"):
+    dataclasses.replace(CFG, attention="cudnn").validate()
+  run = ml_collections.ConfigDict({"dtype": "bfloat16", "remat": "none", "attention": "cudnn"})
+  if jax.default_backend() != "gpu":
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+      experiment.runtime(CFG, run)
+  else:
+    assert experiment.runtime(CFG, run).attention == "cudnn"

@@ -36,6 +36,9 @@ class CLIPConfig:
   ln_eps: float = 1e-5
   dtype: str = "float32"  # compute dtype; parameters are always fp32
   remat: str = "none"  # rematerialise each transformer block in the backward pass: "none" | "full" | "dots"
+  # jax.nn.dot_product_attention's implementation: "auto" (JAX picks: cuDNN's fused kernel on GPU where it
+  # applies, else XLA), "xla", or "cudnn" (insist on the fused kernel: NVIDIA GPU, bf16 compute).
+  attention: str = "auto"
 
   @classmethod
   def from_dict(cls, d) -> "CLIPConfig":
@@ -61,6 +64,11 @@ class CLIPConfig:
       raise ValueError(f"config.remat={self.remat!r}; choose one of {sorted(REMAT_POLICIES)}")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"config.dtype={self.dtype!r}; choose 'float32' or 'bfloat16'")
+    if self.attention not in ATTENTION_IMPLS:
+      raise ValueError(f"config.attention={self.attention!r}; choose one of {sorted(ATTENTION_IMPLS)}")
+    if self.attention == "cudnn" and self.dtype != "bfloat16":
+      raise ValueError("config.attention='cudnn' needs config.dtype='bfloat16' (cuDNN's fused attention has no "
+                       "fp32 kernel); use attention='auto' or 'xla' for fp32")
     if self.act not in ACTIVATIONS:
       raise ValueError(f"config.model.act={self.act!r}; choose one of {sorted(ACTIVATIONS)}")
     if not 0 <= self.eot_token_id < self.vocab_size:
@@ -78,6 +86,8 @@ ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": lambda x: jax.nn.gelu(x, approx
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims}
 
+ATTENTION_IMPLS = {"auto": None, "xla": "xla", "cudnn": "cudnn"}
+
 # Named sizes. "tiny" is the CPU demo size; the others are OpenAI's.
 PRESETS = {
     "tiny": CLIPConfig(),
@@ -93,8 +103,9 @@ PRESETS = {
 class Attention(nnx.Module):
   """Multi-head self-attention with separate q/k/v projections (the Hugging Face layout)."""
 
-  def __init__(self, width, heads, *, dtype, rngs):
+  def __init__(self, width, heads, *, dtype, rngs, implementation="auto"):
     self.heads = heads
+    self.implementation = ATTENTION_IMPLS[implementation]
     init = nnx.initializers.normal(width ** -0.5)
     mk = lambda: nnx.Linear(width, width, kernel_init=init, dtype=dtype, rngs=rngs)
     self.q, self.k, self.v, self.out = mk(), mk(), mk(), mk()
@@ -102,16 +113,17 @@ class Attention(nnx.Module):
   def __call__(self, x, causal):  # x: [B, L, W]
     b, l, w = x.shape
     split = lambda t: t.reshape(b, l, self.heads, w // self.heads)
-    o = jax.nn.dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=causal)
+    o = jax.nn.dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=causal,
+                                     implementation=self.implementation)
     return self.out(o.reshape(b, l, w))
 
 
 class Block(nnx.Module):
   """Pre-LN residual block: x + attn(ln(x)); x + mlp(ln(x))."""
 
-  def __init__(self, width, heads, mlp_dim, act, eps, *, dtype, rngs):
+  def __init__(self, width, heads, mlp_dim, act, eps, *, dtype, rngs, attention="auto"):
     self.ln1 = nnx.LayerNorm(width, epsilon=eps, dtype=dtype, rngs=rngs)
-    self.attn = Attention(width, heads, dtype=dtype, rngs=rngs)
+    self.attn = Attention(width, heads, dtype=dtype, rngs=rngs, implementation=attention)
     self.ln2 = nnx.LayerNorm(width, epsilon=eps, dtype=dtype, rngs=rngs)
     init = nnx.initializers.normal((2 * width) ** -0.5)
     self.fc1 = nnx.Linear(width, mlp_dim, kernel_init=init, dtype=dtype, rngs=rngs)
@@ -125,8 +137,9 @@ class Block(nnx.Module):
 
 class Transformer(nnx.Module):
 
-  def __init__(self, width, layers, heads, mlp_dim, act, eps, *, dtype, rngs, remat="none"):
-    self.blocks = nnx.List([Block(width, heads, mlp_dim, act, eps, dtype=dtype, rngs=rngs) for _ in range(layers)])
+  def __init__(self, width, layers, heads, mlp_dim, act, eps, *, dtype, rngs, remat="none", attention="auto"):
+    self.blocks = nnx.List([Block(width, heads, mlp_dim, act, eps, dtype=dtype, rngs=rngs, attention=attention)
+                            for _ in range(layers)])
     self.remat = remat
 
   def __call__(self, x, causal):
@@ -159,14 +172,14 @@ class CLIP(nnx.Module):
     self.vision_positions = nnx.Param(normal(vw ** -0.5)(rngs.params(), (n_patches + 1, vw)))
     self.ln_pre = nnx.LayerNorm(vw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
     self.vision = Transformer(vw, cfg.vision_layers, cfg.vision_heads, cfg.vision_mlp_dim, cfg.act, cfg.ln_eps,
-                              dtype=dt, rngs=rngs, remat=cfg.remat)
+                              dtype=dt, rngs=rngs, remat=cfg.remat, attention=cfg.attention)
     self.ln_post = nnx.LayerNorm(vw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
     self.visual_projection = nnx.Param(normal(vw ** -0.5)(rngs.params(), (vw, cfg.embed_dim)))
     # Text tower.
     self.token_embedding = nnx.Embed(cfg.vocab_size, tw, embedding_init=normal(0.02), dtype=dt, rngs=rngs)
     self.text_positions = nnx.Param(normal(0.01)(rngs.params(), (cfg.text_context, tw)))
     self.text = Transformer(tw, cfg.text_layers, cfg.text_heads, cfg.text_mlp_dim, cfg.act, cfg.ln_eps,
-                            dtype=dt, rngs=rngs, remat=cfg.remat)
+                            dtype=dt, rngs=rngs, remat=cfg.remat, attention=cfg.attention)
     self.ln_final = nnx.LayerNorm(tw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
     self.text_projection = nnx.Param(normal(tw ** -0.5)(rngs.params(), (tw, cfg.embed_dim)))
     self.logit_scale = nnx.Param(jnp.asarray(math.log(1 / 0.07), jnp.float32))
