@@ -109,6 +109,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       auto = (key == "model.vocab_size" and value == 0) or (key == "model.eot_token_id" and value == -1)
       if value <= 0 and not auto:
         raise ValueError(f"config.{key}={value!r} must be positive")
+  # Compute settings are checked here too, so a typo fails before any data is built (the GPU check for
+  # attention="cudnn" needs the backend and comes later, in experiment.runtime).
+  dataclasses.replace(PRESETS["tiny"], **{k: config[k] for k in RUNTIME_FIELDS}).validate()
   if config.on_nonfinite not in ("error", "skip"):
     raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; choose 'error' or 'skip'")
   axes = [config.mesh[a] for a in ("data", "fsdp", "tensor")]

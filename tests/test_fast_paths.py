@@ -9,7 +9,7 @@ import pytest
 import ml_collections
 from flax import nnx
 
-from hnclip_jax import experiment, losses
+from hnclip_jax import config as config_lib, experiment, losses
 from hnclip_jax.models import CLIPConfig, bind, init_params
 from hnclip_jax.models.clip import Attention
 
@@ -104,3 +104,13 @@ def test_bad_attention_is_named():
       experiment.runtime(CFG, run)
   else:
     assert experiment.runtime(CFG, run).attention == "cudnn"
+
+
+def test_compute_settings_fail_in_config_validation():
+  """A typo in config.dtype/remat/attention stops the run before any data is built or compiled."""
+  for key, bad in (("dtype", "fp16"), ("remat", "some"), ("attention", "flash")):
+    c = config_lib.base_config()
+    c[key] = bad
+    with pytest.raises(ValueError, match=f"config.{key}='{bad}'"):
+      config_lib.validate(c)
+  config_lib.validate(config_lib.base_config())  # the defaults pass
