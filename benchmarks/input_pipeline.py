@@ -18,6 +18,7 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import dump, table  # noqa: E402
 from hnclip_jax.config import base_config  # noqa: E402
 from hnclip_jax.data import builders, pipeline  # noqa: E402
 from hnclip_jax.data.tokenizer import WordTokenizer  # noqa: E402
@@ -66,12 +67,8 @@ def main():
     dt = time.perf_counter() - t
     rows.append({"workers": workers, "images_per_s": a.batch * a.batches / dt})
   print(f"input pipeline, {a.image_size}px, batch {a.batch}, {os.cpu_count()} CPU cores")
-  print("| workers | images/s |\n|---:|---:|")
-  for r in rows:
-    print(f"| {r['workers']} | {r['images_per_s']:.0f} |")
-  if a.json:
-    with open(a.json, "w") as f:
-      json.dump(rows, f, indent=2)
+  print(table(rows, ["workers", "images_per_s"]))
+  dump(a.json, rows)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.common import dump, table  # noqa: E402
 
 
 def child(a):
@@ -94,12 +97,9 @@ def main():
   r = json.loads(outs[0][0].split("RESULT ", 1)[1])
   ms = r["ms_per_step"]
   print(f"stop check after every step, {a.processes} processes x 1 CPU device, {a.steps} steps, median of {a.reps}")
-  print("| check | ms/step | vs no check |\n|---|---:|---:|")
-  for k, v in ms.items():
-    print(f"| {k} | {v:.3f} | {v / ms['none']:.2f}x |")
-  if a.json:
-    with open(a.json, "w") as f:
-      json.dump(r, f, indent=2)
+  print(table([{"check": k, "ms/step": v, "vs no check": v / ms["none"]} for k, v in ms.items()],
+              ["check", "ms/step", "vs no check"]))
+  dump(a.json, r)
 
 
 if __name__ == "__main__":
