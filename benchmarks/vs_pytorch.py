@@ -3,7 +3,7 @@
 process, interleaved in alternating order; the speed-up is the median of the per-repetition ratios (min and
 max reported too), after warm-up. CPU by default.
 
-  python benchmarks/vs_pytorch.py [--sizes tiny,small] [--batch 64] [--reps 5] [--json out.json]
+  python benchmarks/vs_pytorch.py [--sizes tiny,small] [--batch 64] [--reps 5] [--inner 3] [--json out.json]
 """
 import argparse
 import os
@@ -45,6 +45,7 @@ def main():
   p.add_argument("--batch", type=int, default=64)
   p.add_argument("--context", type=int, default=77)
   p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--inner", type=int, default=3, help="timed steps per repetition and library (median)")
   p.add_argument("--threads", type=int, default=os.cpu_count())
   p.add_argument("--json", default="")
   a = p.parse_args()
@@ -93,7 +94,9 @@ def main():
     tj, tt = [], []
     for rep in range(a.reps):  # alternating order; the speed-up is the median of the per-repetition ratios
       for fn, out in (((jax_step, tj), (torch_step, tt)) if rep % 2 == 0 else ((torch_step, tt), (jax_step, tj))):
-        out.append(median_time(fn, 1, 0))
+        # One untimed step after each switch: the other library's worker threads may still be spinning on the
+        # cores (OpenMP's busy-wait after a parallel region), which would be charged to whichever runs next.
+        out.append(median_time(fn, a.inner, 1))
     ratios = np.array(tt) / np.array(tj)
     rows.append({"size": name, "batch": b, "params_M": sum(x.numel() for x in hf.parameters()) / 1e6,
                  "jax_step_s": float(np.median(tj)), "torch_step_s": float(np.median(tt)),

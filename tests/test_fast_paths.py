@@ -85,7 +85,7 @@ def numpy_attention(x, attn, causal):
   return o @ np.asarray(attn.out.kernel[...], np.float64) + np.asarray(attn.out.bias[...], np.float64)
 
 
-@pytest.mark.parametrize("impl", ["auto", "xla"])
+@pytest.mark.parametrize("impl", ["auto", "einsum", "xla"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_implementations_match_numpy(impl, causal):
   attn = Attention(64, 4, dtype=jnp.float32, rngs=nnx.Rngs(0), implementation=impl)

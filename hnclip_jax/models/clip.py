@@ -36,8 +36,7 @@ class CLIPConfig:
   ln_eps: float = 1e-5
   dtype: str = "float32"  # compute dtype; parameters are always fp32
   remat: str = "none"  # rematerialise each transformer block in the backward pass: "none" | "full" | "dots"
-  # jax.nn.dot_product_attention's implementation: "auto" (JAX picks: cuDNN's fused kernel on GPU where it
-  # applies, else XLA), "xla", or "cudnn" (insist on the fused kernel: NVIDIA GPU, bf16 compute).
+  # How attention is computed (see ATTENTION_IMPLS): "auto", "einsum", "xla" or "cudnn" (NVIDIA GPU, bf16).
   attention: str = "auto"
 
   @classmethod
@@ -65,7 +64,7 @@ class CLIPConfig:
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"config.dtype={self.dtype!r}; choose 'float32' or 'bfloat16'")
     if self.attention not in ATTENTION_IMPLS:
-      raise ValueError(f"config.attention={self.attention!r}; choose one of {sorted(ATTENTION_IMPLS)}")
+      raise ValueError(f"config.attention={self.attention!r}; choose one of {list(ATTENTION_IMPLS)}")
     if self.attention == "cudnn" and self.dtype != "bfloat16":
       raise ValueError("config.attention='cudnn' needs config.dtype='bfloat16' (cuDNN's fused attention has no "
                        "fp32 kernel); use attention='auto' or 'xla' for fp32")
@@ -86,7 +85,24 @@ ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": lambda x: jax.nn.gelu(x, approx
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims}
 
-ATTENTION_IMPLS = {"auto": None, "xla": "xla", "cudnn": "cudnn"}
+# "einsum": two einsums around an fp32 softmax, written out here; on XLA:CPU it is 1.3x (image tower) to 1.6x
+#   (causal text tower) faster than jax.nn.dot_product_attention's XLA path (docs/benchmarks.md).
+# "xla" / "cudnn": jax.nn.dot_product_attention with that implementation; "cudnn" is the fused kernel (NVIDIA GPU,
+#   bf16 compute).
+# "auto": on GPU, jax.nn.dot_product_attention with JAX's choice (cuDNN where it applies, else XLA); elsewhere "einsum".
+ATTENTION_IMPLS = ("auto", "einsum", "xla", "cudnn")
+
+
+def einsum_attention(q, k, v, causal):
+  """Softmax attention on [B, L, H, D] q/k/v (jax.nn.dot_product_attention's layout) with fp32 logits/softmax."""
+  heads_major = lambda t: t.transpose(0, 2, 1, 3)  # [B, H, L, D]: the two products are plain batched matmuls
+  q, k, v = heads_major(q * q.shape[-1] ** -0.5), heads_major(k), heads_major(v)
+  s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+  if causal:
+    n = s.shape[-1]
+    s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, jnp.finfo(s.dtype).min)
+  p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+  return heads_major(jnp.einsum("bhqk,bhkd->bhqd", p, v))
 
 # Named sizes. "tiny" is the CPU demo size; the others are OpenAI's.
 PRESETS = {
@@ -104,18 +120,30 @@ class Attention(nnx.Module):
   """Multi-head self-attention with separate q/k/v projections (the Hugging Face layout)."""
 
   def __init__(self, width, heads, *, dtype, rngs, implementation="auto"):
+    if implementation not in ATTENTION_IMPLS:
+      raise ValueError(f"config.attention={implementation!r}; choose one of {list(ATTENTION_IMPLS)}")
     self.heads = heads
-    self.implementation = ATTENTION_IMPLS[implementation]
+    self.implementation = implementation
     init = nnx.initializers.normal(width ** -0.5)
     mk = lambda: nnx.Linear(width, width, kernel_init=init, dtype=dtype, rngs=rngs)
     self.q, self.k, self.v, self.out = mk(), mk(), mk(), mk()
 
-  def __call__(self, x, causal):  # x: [B, L, W]
-    b, l, w = x.shape
+  def __call__(self, x, causal, length=None):
+    """x: [B, L, W], or the tokens flattened to [B*L, W] with `length` = L (see Transformer)."""
+    shape, w = x.shape, x.shape[-1]
+    l = length or shape[-2]
+    x = x.reshape(-1, w)  # the projections are 2-D matmuls
+    b = x.shape[0] // l
     split = lambda t: t.reshape(b, l, self.heads, w // self.heads)
-    o = jax.nn.dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=causal,
-                                     implementation=self.implementation)
-    return self.out(o.reshape(b, l, w))
+    q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+    impl = self.implementation
+    if impl == "auto":  # decided when traced, for the backend the program is compiled for
+      impl = None if jax.default_backend() == "gpu" else "einsum"
+    if impl == "einsum":
+      o = einsum_attention(q, k, v, causal)
+    else:
+      o = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+    return self.out(o.reshape(b * l, w)).reshape(shape)
 
 
 class Block(nnx.Module):
@@ -130,8 +158,8 @@ class Block(nnx.Module):
     self.fc2 = nnx.Linear(mlp_dim, width, kernel_init=init, dtype=dtype, rngs=rngs)
     self.act = ACTIVATIONS[act]
 
-  def __call__(self, x, causal):
-    x = x + self.attn(self.ln1(x), causal)
+  def __call__(self, x, causal, length=None):
+    x = x + self.attn(self.ln1(x), causal, length)
     return x + self.fc2(self.act(self.fc1(self.ln2(x))))
 
 
@@ -142,13 +170,18 @@ class Transformer(nnx.Module):
                             for _ in range(layers)])
     self.remat = remat
 
-  def __call__(self, x, causal):
-    apply = lambda block, h: block(h, causal)
+  def __call__(self, x, causal):  # x: [B, L, W]
+    # The blocks see the tokens flattened to [B*L, W]. Every dense layer is then a plain 2-D matmul, whose weight
+    # gradient (contracting over B*L) needs no transposed copy of the activations; with [B, L, W] operands XLA:CPU
+    # materialises one per layer and the MLP's forward+backward is 2.3x slower (benchmarks/vs_pytorch.py, docs).
+    b, l, w = x.shape
+    apply = lambda block, h: block(h, causal, l)
     if self.remat != "none":
       apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat])
+    x = x.reshape(b * l, w)
     for block in self.blocks:
       x = apply(block, x)
-    return x
+    return x.reshape(b, l, w)
 
 
 def _l2_normalize(x):
