@@ -19,8 +19,8 @@ python -c "import jax; print(jax.devices())" | tee "$out/devices.txt"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true; } >> "$out/devices.txt"
 python benchmarks/step_time.py "${steps[@]}" --json "$out/step_time.json" | tee "$out/step_time.txt"
 python benchmarks/step_time.py "${mem[@]}" --json "$out/memory.json" | tee "$out/memory.txt"
-if [[ "${1:-}" != "--quick" ]]; then  # bf16 fast path, XLA attention vs cuDNN's fused kernel (GPU only; non-fatal)
-  for impl in xla cudnn; do
+if [[ "${1:-}" != "--quick" ]]; then  # bf16 fast path: attention written as einsums, XLA's, cuDNN's fused kernel (GPU; non-fatal)
+  for impl in einsum xla cudnn; do
     python benchmarks/step_time.py --models vit_b16 --batch vit_b16=256 --reps 5 --peak_n 8192 --dtype bfloat16 \
       --attention "$impl" --json "$out/step_time_bf16_$impl.json" | tee "$out/step_time_bf16_$impl.txt" \
       || echo "bf16 step with attention=$impl failed (see above)"

@@ -42,7 +42,7 @@ def main():
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--memory_only", default="")
   p.add_argument("--dtype", default="float32")
-  p.add_argument("--attention", default="auto", help="config.attention: auto | xla | cudnn (GPU, bfloat16)")
+  p.add_argument("--attention", default="auto", help="config.attention: auto | einsum | xla | cudnn (GPU, bfloat16)")
   p.add_argument("--peak_n", type=int, default=2048, help="size of the square matmul that probes the peak")
   p.add_argument("--baseline_gamma", type=float, default=0.0,
                  help="γ of the baseline program; 0.5 gives an A/A control (two copies of the same step)")

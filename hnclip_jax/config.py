@@ -40,7 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.compilation_cache_dir = "~/.cache/hnclip_jax/xla"  # "" disables the persistent XLA cache
   c.dtype = "float32"  # compute dtype of the towers ("bfloat16": bf16 matmuls; params, loss, softmax stay fp32)
   c.remat = "none"  # rematerialise transformer blocks: "none" | "full" | "dots"
-  c.attention = "auto"  # jax.nn.dot_product_attention implementation: "auto" | "xla" | "cudnn" (GPU, bf16)
+  c.attention = "auto"  # "auto" | "einsum" | "xla" | "cudnn" (GPU, bf16): see models.clip.ATTENTION_IMPLS
   # Start from these weights (fresh optimizer, step 0): a Hugging Face CLIP directory, an OpenAI/Long-CLIP .pt,
   # a converted directory (python -m hnclip_jax.pretrained.convert) or a train.py workdir. "" = from scratch.
   c.init_from = ""

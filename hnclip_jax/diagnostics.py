@@ -48,7 +48,7 @@ def make_batch_diagnostics(graphdef, mesh, gamma: float):
         value, i2t, t2i = losses.sharded_hn_clip_loss(i, t, scale, g, mesh, sharding.BATCH_AXES)
         return value, 0.5 * (i2t + t2i)
       (value, per_example), (gi, gt) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(img, txt)
-      norm = optax.global_norm((gi, gt))
+      norm = optax.tree.norm((gi, gt))
       out[f"diag/{name}/loss"] = value
       out[f"diag/{name}/saturated_frac"] = jnp.mean(per_example < SATURATED)
       out[f"diag/{name}/emb_grad_norm"] = norm
@@ -75,7 +75,7 @@ def make_gradient_comparison(graphdef, mesh, gamma: float, param_shardings):
   def compare(params, batch):
     hn, nce = grads(params, batch, gamma), grads(params, batch, 0.0)
     dot = sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(hn), jax.tree.leaves(nce)))
-    n_hn, n_nce = optax.global_norm(hn), optax.global_norm(nce)
+    n_hn, n_nce = optax.tree.norm(hn), optax.tree.norm(nce)
     return {"diag/hn/param_grad_norm": n_hn, "diag/infonce/param_grad_norm": n_nce,
             "diag/hn/param_grad_zero": (n_hn == 0).astype(jnp.float32),
             "diag/infonce/param_grad_zero": (n_nce == 0).astype(jnp.float32),

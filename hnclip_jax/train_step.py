@@ -11,6 +11,17 @@ from hnclip_jax.models import bind
 
 NEGATIVES = ("micro_batch", "global_batch")
 
+# XLA:CPU compiles element-wise producers of a matmul (LayerNorm's scale, softmax's 1/sum) into separate
+# materialised broadcasts when its YNNPACK fusions are on; with them off every broadcast fuses and the train step is
+# faster on CPU (benchmarks/layers.py, docs/benchmarks.md). Applied to the step and embed programs on CPU meshes
+# only.
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def compiler_options(mesh):
+  """XLA compiler options for the programs run on `mesh` (None: XLA's defaults)."""
+  return dict(CPU_COMPILER_OPTIONS) if mesh.devices.flat[0].platform == "cpu" else None
+
 
 def lr_schedule(opt_cfg, total_steps: int):
   """Linear warmup from 0 to `lr`, then cosine decay to 0 at `total_steps`."""
@@ -132,7 +143,7 @@ def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings):
 
   def step(state, batch):
     loss, grads = grad_fn(state["params"], batch)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     # A non-finite loss or gradient leaves parameters and optimizer state as they were; the host decides
     # (config.on_nonfinite) whether that ends the run or is only counted. A cond rather than a select of old vs
     # new: the update then happens in place in the donated buffers, with no second copy of parameters and
@@ -153,11 +164,12 @@ def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings):
 
   batch_sh = sharding.batch_sharding(mesh)
   return jax.jit(step, in_shardings=(state_shardings, batch_sh),
-                 out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
+                 out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0,
+                 compiler_options=compiler_options(mesh))
 
 
 def make_embed_fn(graphdef, mesh, param_shardings):
   """Jitted (params, images [B,H,W,3], tokens [B,L]) -> (img_emb [B,E], txt_emb [B,E]), batch-sharded."""
   batch_sh = sharding.batch_sharding(mesh)
   return jax.jit(lambda p, i, t: _embed(graphdef, p, i, t), in_shardings=(param_shardings, batch_sh, batch_sh),
-                 out_shardings=(batch_sh, batch_sh))
+                 out_shardings=(batch_sh, batch_sh), compiler_options=compiler_options(mesh))

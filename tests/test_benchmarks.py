@@ -34,3 +34,15 @@ def test_stop_check_benchmark_runs(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   ms = json.load(open(out))["ms_per_step"]
   assert sorted(ms) == ["allgather", "none", "sync_point"] and min(ms.values()) > 0
+
+
+def test_layers_benchmark_runs(tmp_path):
+  out = tmp_path / "layers.json"
+  proc = subprocess.run([sys.executable, "benchmarks/layers.py", "--batch", "2", "--width", "16", "--heads", "2",
+                         "--mlp", "32", "--reps", "1", "--no_torch", "--step_batch", "2", "--json", str(out)],
+                        cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = json.load(open(out))
+  assert {r["what"] for r in rows} == {"attention", "MLP", "MLP, XLA:CPU YNN fusions",
+                                       "train step (tiny model), XLA:CPU YNN fusions"} and len(rows) == 14
+  assert all(r["fwd_bwd_ms"] > 0 for r in rows)

@@ -114,3 +114,36 @@ def test_compute_settings_fail_in_config_validation():
     with pytest.raises(ValueError, match=f"config.{key}='{bad}'"):
       config_lib.validate(c)
   config_lib.validate(config_lib.base_config())  # the defaults pass
+
+
+def test_train_step_skips_nonfinite_in_place_and_uses_cpu_options(setup):
+  """The compiled step guards the update with a cond (a non-finite batch leaves params and optimizer state
+  bit-identical, a finite one changes them) and, on a CPU mesh, is compiled with train_step.CPU_COMPILER_OPTIONS."""
+  from hnclip_jax import sharding, train_step
+  params, pixels, tokens = setup
+  graphdef, _ = init_params(CFG, 0)
+  opt = ml_collections.ConfigDict(dict(lr=1e-3, weight_decay=0.1, warmup_steps=0, b1=0.9, b2=0.98, eps=1e-6,
+                                       grad_clip_norm=1.0))
+  tx = train_step.make_optimizer(opt, 10)
+  mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1}), jax.devices()[:1])
+  state = train_step.init_state(params, tx)
+  sh = sharding.state_shardings(jax.eval_shape(lambda: state), "params", mesh,
+                                sharding.parse_rules(sharding.DEFAULT_RULES))
+  run = ml_collections.ConfigDict({"loss": {"gamma": 0.5, "chunk_size": 0, "negatives": "global_batch"},
+                                   "grad_accum_steps": 1})
+  step = train_step.make_train_step(graphdef, tx, mesh, run, train_step.lr_schedule(opt, 10), sh)
+  state = jax.device_put(state, sh)
+  before = jax.tree.map(np.asarray, state)
+  bad = pixels.copy()
+  bad[0, 0, 0, 0] = np.nan
+  assert "__ynn_fusion" not in step.lower(state, {"image": bad, "tokens": tokens}).compile().as_text()
+  state, m = step(state, {"image": bad, "tokens": tokens})
+  assert not np.isfinite(float(m["loss"])) and int(state["nonfinite_steps"]) == 1 and int(state["step"]) == 1
+  for a, b in zip(jax.tree.leaves(before["params"]) + jax.tree.leaves(before["opt_state"]),
+                  jax.tree.leaves(state["params"]) + jax.tree.leaves(state["opt_state"])):
+    np.testing.assert_array_equal(a, b)
+  state, m = step(state, {"image": pixels, "tokens": tokens})
+  assert np.isfinite(float(m["loss"])) and int(state["nonfinite_steps"]) == 1
+  changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before["params"]),
+                                                      jax.tree.leaves(state["params"]))]
+  assert all(changed)

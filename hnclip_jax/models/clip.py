@@ -85,8 +85,8 @@ ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": lambda x: jax.nn.gelu(x, approx
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims}
 
-# "einsum": two einsums around an fp32 softmax, written out here; on XLA:CPU it is 1.3x (image tower) to 1.6x
-#   (causal text tower) faster than jax.nn.dot_product_attention's XLA path (docs/benchmarks.md).
+# "einsum": two einsums around an fp32 softmax, written out here; on XLA:CPU its forward+backward is 1.2-1.5x
+#   faster than jax.nn.dot_product_attention's XLA path (benchmarks/layers.py, docs/benchmarks.md).
 # "xla" / "cudnn": jax.nn.dot_product_attention with that implementation; "cudnn" is the fused kernel (NVIDIA GPU,
 #   bf16 compute).
 # "auto": on GPU, jax.nn.dot_product_attention with JAX's choice (cuDNN where it applies, else XLA); elsewhere "einsum".
@@ -173,7 +173,7 @@ class Transformer(nnx.Module):
   def __call__(self, x, causal):  # x: [B, L, W]
     # The blocks see the tokens flattened to [B*L, W]. Every dense layer is then a plain 2-D matmul, whose weight
     # gradient (contracting over B*L) needs no transposed copy of the activations; with [B, L, W] operands XLA:CPU
-    # materialises one per layer and the MLP's forward+backward is 2.3x slower (benchmarks/vs_pytorch.py, docs).
+    # materialises one per layer and the MLP's forward+backward is 1.6-2.3x slower (benchmarks/layers.py).
     b, l, w = x.shape
     apply = lambda block, h: block(h, causal, l)
     if self.remat != "none":
