@@ -116,10 +116,17 @@ def main():
                                                                                  CPU_COMPILER_OPTIONS),
                                      "on (XLA default)": compile_grad(mlp, (x3.reshape(-1, w), w1, w2))},
     }
+    # The batched matmul inside attention (one [L, D] x [D, L] product per example and head), forward only.
+    qb = qkv.transpose(0, 2, 1, 3).reshape(b * h, length, w // h)
+    bmm = jax.jit(lambda x: x @ x.transpose(0, 2, 1))
+    groups["attention scores, batched matmul (forward only)"] = {"XLA": lambda: jax.block_until_ready(bmm(qb))}
     if not a.no_torch:
+      import torch
       t_attn, t_mlp = torch_fns(qkv, causal, x3.reshape(-1, w), w1, w2)
       groups["attention"]["torch sdpa"] = t_attn
       groups["MLP"]["torch"] = t_mlp
+      tq = torch.tensor(np.asarray(qb))
+      groups["attention scores, batched matmul (forward only)"]["torch bmm"] = lambda: torch.bmm(tq, tq.transpose(1, 2))
     if causal and a.step_batch:
       groups["train step (tiny model), XLA:CPU YNN fusions"] = step_fns(a.step_batch)
     for group, fns in groups.items():

@@ -12,9 +12,9 @@ from hnclip_jax.models import bind
 NEGATIVES = ("micro_batch", "global_batch")
 
 # XLA:CPU compiles element-wise producers of a matmul (LayerNorm's scale, softmax's 1/sum) into separate
-# materialised broadcasts when its YNNPACK fusions are on; with them off every broadcast fuses and the train step is
-# faster on CPU (benchmarks/layers.py, docs/benchmarks.md). Applied to the step and embed programs on CPU meshes
-# only.
+# materialised broadcasts when its YNNPACK fusions are on; with them off they fuse, the MLP is 7-12% and the whole
+# step a few percent faster on CPU (benchmarks/layers.py, docs/benchmarks.md). Step and embed programs on CPU
+# meshes only.
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 

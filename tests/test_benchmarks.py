@@ -43,6 +43,7 @@ def test_layers_benchmark_runs(tmp_path):
                         cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = json.load(open(out))
-  assert {r["what"] for r in rows} == {"attention", "MLP", "MLP, XLA:CPU YNN fusions",
-                                       "train step (tiny model), XLA:CPU YNN fusions"} and len(rows) == 14
+  assert {r["what"] for r in rows} == {"attention", "attention scores, batched matmul (forward only)", "MLP",
+                                       "MLP, XLA:CPU YNN fusions", "train step (tiny model), XLA:CPU YNN fusions"}
+  assert len(rows) == 16
   assert all(r["fwd_bwd_ms"] > 0 for r in rows)
