@@ -19,6 +19,20 @@ def median_time(fn, reps: int, warmup: int = 1) -> float:
   return statistics.median(times)
 
 
+def alternating_times(fns, reps: int, inner: int = 1, warmup: int = 0, each_rep=None) -> dict:
+  """Times {name: fn} side by side: `reps` repetitions, the order reversed every other one so that a shared machine's
+  drift hits all alike; each entry is median_time(fn, inner, warmup). `each_rep()` runs at the start of every
+  repetition. Returns {name: [seconds, one per repetition]}."""
+  out = {n: [] for n in fns}
+  names = list(fns)
+  for rep in range(reps):
+    if each_rep is not None:
+      each_rep()
+    for n in (names if rep % 2 == 0 else names[::-1]):
+      out[n].append(median_time(fns[n], inner, warmup))
+  return out
+
+
 def peak_matmul_probe(n: int = 2048):
   """A function that returns the FLOP/s of a large fp32 jnp.dot on the default device, measured when called
   (compiled once, so it can be called between timed steps to track a shared machine's drifting speed)."""

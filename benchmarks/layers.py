@@ -17,7 +17,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import dump, median_time, table  # noqa: E402
+from benchmarks.common import alternating_times, dump, table  # noqa: E402
 from hnclip_jax.models.clip import einsum_attention, quick_gelu  # noqa: E402
 from hnclip_jax.train_step import CPU_COMPILER_OPTIONS  # noqa: E402
 
@@ -76,16 +76,6 @@ def step_fns(batch):
   return fns
 
 
-def timed(fns, reps):
-  """Alternating-order timing of {name: fn}; returns {name: [seconds per repetition]}."""
-  out = {n: [] for n in fns}
-  names = list(fns)
-  for rep in range(reps):
-    for n in (names if rep % 2 == 0 else names[::-1]):
-      out[n].append(median_time(fns[n], 3, 1))
-  return out
-
-
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--batch", type=int, default=64)
@@ -130,7 +120,7 @@ def main():
     if causal and a.step_batch:
       groups["train step (tiny model), XLA:CPU YNN fusions"] = step_fns(a.step_batch)
     for group, fns in groups.items():
-      t = timed(fns, a.reps)
+      t = alternating_times(fns, a.reps, inner=3, warmup=1)
       first = np.array(t[next(iter(fns))])
       for name, ts in t.items():
         ts = np.array(ts)

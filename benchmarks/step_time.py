@@ -21,7 +21,8 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import clip_train_flops, dump, make_step, median_time, peak_matmul_probe, table  # noqa: E402
+from benchmarks.common import (alternating_times, clip_train_flops, dump, make_step, peak_matmul_probe,  # noqa: E402
+                               table)
 from hnclip_jax import sharding, train_step  # noqa: E402
 from hnclip_jax.models import PRESETS, abstract_model, init_params  # noqa: E402
 
@@ -90,13 +91,13 @@ def main():
       runs[slot] = [compiled, state]
     for slot in gammas:  # warm-up both
       runs[slot][1], _ = runs[slot][0](runs[slot][1], batch)
-    samples, peak_at = {"base": [], "hn": []}, []
-    for rep in range(a.reps):  # interleaved, order alternating, so drift on a shared machine hits both alike
-      peak_at.append(probe())
-      for slot in (("base", "hn") if rep % 2 == 0 else ("hn", "base")):
-        t = median_time(lambda g=slot: runs[g].__setitem__(1, jax.block_until_ready(runs[g][0](runs[g][1], batch)[0])),
-                        reps=1, warmup=0)
-        samples[slot].append(t)
+    peak_at = []
+
+    def run(g):
+      runs[g][1] = jax.block_until_ready(runs[g][0](runs[g][1], batch)[0])
+    # Interleaved, order alternating, with the peak probed at the start of every repetition.
+    samples = alternating_times({"base": lambda: run("base"), "hn": lambda: run("hn")}, a.reps,
+                                each_rep=lambda: peak_at.append(probe()))
     peaks += peak_at
     flops = clip_train_flops(cfg, b)
     ratios = np.array(samples["hn"]) / np.array(samples["base"])

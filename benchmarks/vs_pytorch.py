@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from benchmarks.common import dump, make_step, median_time, table  # noqa: E402
+from benchmarks.common import alternating_times, dump, make_step, table  # noqa: E402
 from hnclip_jax import sharding, train_step  # noqa: E402
 from hnclip_jax.models import CLIPConfig, init_params  # noqa: E402
 
@@ -91,12 +91,11 @@ def main():
       jax.block_until_ready(m["loss"])
 
     jax_step(), torch_step()  # warm-up (compiles)
-    tj, tt = [], []
-    for rep in range(a.reps):  # alternating order; the speed-up is the median of the per-repetition ratios
-      for fn, out in (((jax_step, tj), (torch_step, tt)) if rep % 2 == 0 else ((torch_step, tt), (jax_step, tj))):
-        # One untimed step after each switch: the other library's worker threads may still be spinning on the
-        # cores (OpenMP's busy-wait after a parallel region), which would be charged to whichever runs next.
-        out.append(median_time(fn, a.inner, 1))
+    # Alternating order; the speed-up is the median of the per-repetition ratios. One untimed step after each
+    # switch: the other library's worker threads may still be spinning on the cores (OpenMP's busy-wait after a
+    # parallel region), which would be charged to whichever runs next.
+    t = alternating_times({"jax": jax_step, "torch": torch_step}, a.reps, inner=a.inner, warmup=1)
+    tj, tt = t["jax"], t["torch"]
     ratios = np.array(tt) / np.array(tj)
     rows.append({"size": name, "batch": b, "params_M": sum(x.numel() for x in hf.parameters()) / 1e6,
                  "jax_step_s": float(np.median(tj)), "torch_step_s": float(np.median(tt)),
