@@ -4,6 +4,10 @@ Prints Recall@1/5/10 (text->image, image->text) and writes DIR/eval_results.json
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything imports JAX: re-exec under tcmalloc if installed
+  from hnclip_jax import hostmem
+  hostmem.use_tcmalloc()
+
 import json
 import os
 

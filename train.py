@@ -1,6 +1,10 @@
 """Train HN-CLIP: python train.py --config configs/demo.py --workdir DIR [--config.loss.gamma=0 ...]."""
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything imports JAX: re-exec under tcmalloc if installed
+  from hnclip_jax import hostmem
+  hostmem.use_tcmalloc()
+
 import dataclasses
 import json
 import os
@@ -24,8 +28,8 @@ def main(argv):
   import numpy as np
 
   import hnclip_jax
-  from hnclip_jax import (checkpoint, config as config_lib, diagnostics, experiment, faults, preemption, sharding,
-                          train_step)
+  from hnclip_jax import (checkpoint, config as config_lib, diagnostics, experiment, faults, hostmem, preemption,
+                          sharding, train_step)
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.metrics import MetricsWriter, Progress, log, quiet_libraries
   from hnclip_jax.models import abstract_model, init_params
@@ -45,6 +49,8 @@ def main(argv):
   train_step.check_accumulation(config, mesh)
   log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, "
       f"{jax.process_count()} process(es)")
+  if jax.devices()[0].platform == "cpu":
+    log(hostmem.cpu_allocator_note())
 
   # ---- Data and model definition --------------------------------------------
   train_source = builders.data_source(config.data, config.data.train_split)

@@ -12,12 +12,16 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # the allocator train.py runs on (tcmalloc when installed): hnclip_jax/hostmem.py
+  from hnclip_jax import hostmem
+  hostmem.use_tcmalloc()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import alternating_times, dump, table  # noqa: E402
+from hnclip_jax import hostmem  # noqa: E402
 from hnclip_jax.models.clip import einsum_attention, quick_gelu  # noqa: E402
 from hnclip_jax.train_step import CPU_COMPILER_OPTIONS  # noqa: E402
 
@@ -128,7 +132,8 @@ def main():
         shape = f"batch {a.step_batch}" if group.startswith("train step") else shape
         rows.append({"tokens": shape, "what": group, "variant": name,
                      "fwd_bwd_ms": float(np.median(ts)) * 1e3, "time_vs_first": float(np.median(ts / first))})
-  print(f"forward+backward, {jax.devices()[0].device_kind}, fp32, width {w}, {h} heads, MLP {a.mlp}")
+  print(f"forward+backward, {jax.devices()[0].device_kind}, fp32, width {w}, {h} heads, MLP {a.mlp}, "
+        f"{hostmem.host_allocator()}")
   print(table(rows, list(rows[0])))
   dump(a.json, rows)
 

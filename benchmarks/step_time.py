@@ -15,6 +15,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # the allocator train.py runs on (tcmalloc when installed): hnclip_jax/hostmem.py
+  from hnclip_jax import hostmem
+  hostmem.use_tcmalloc()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -23,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import (alternating_times, clip_train_flops, dump, make_step, peak_matmul_probe,  # noqa: E402
                                table)
-from hnclip_jax import sharding, train_step  # noqa: E402
+from hnclip_jax import hostmem, sharding, train_step  # noqa: E402
 from hnclip_jax.models import PRESETS, abstract_model, init_params  # noqa: E402
 
 
@@ -114,7 +117,7 @@ def main():
   results["peak_matmul_TFLOPs"] = float(np.median(peaks)) / 1e12
   results["peak_matmul_TFLOPs_range"] = [min(peaks) / 1e12, max(peaks) / 1e12]
   print(f"train step, {dev}, {a.dtype}, attention={a.attention}; peak matmul ({a.peak_n}³) {min(peaks) / 1e12:.3f}-{max(peaks) / 1e12:.3f} "
-        "TFLOP/s measured between the steps")
+        f"TFLOP/s measured between the steps; {hostmem.host_allocator()}")
   print(table(rows, list(rows[0])))
   dump(a.json, results)
 

@@ -10,6 +10,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # the allocator train.py runs on (tcmalloc when installed): hnclip_jax/hostmem.py
+  from hnclip_jax import hostmem
+  hostmem.use_tcmalloc()
 
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
@@ -18,7 +21,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from benchmarks.common import alternating_times, dump, make_step, table  # noqa: E402
-from hnclip_jax import sharding, train_step  # noqa: E402
+from hnclip_jax import hostmem, sharding, train_step  # noqa: E402
 from hnclip_jax.models import CLIPConfig, init_params  # noqa: E402
 
 SIZES = {  # (width, layers, heads, mlp, image, patch, embed) for both towers
@@ -102,7 +105,7 @@ def main():
                  "jax_speedup": float(np.median(ratios)), "speedup_min": float(ratios.min()),
                  "speedup_max": float(ratios.max())})
   print(f"HN-CLIP train step, JAX vs PyTorch (transformers {transformers.__version__}, torch {torch.__version__}), "
-        f"CPU, {a.threads} threads")
+        f"CPU, {a.threads} threads, {hostmem.host_allocator()}")
   print(table(rows, list(rows[0])))
   dump(a.json, rows)
 
