@@ -47,3 +47,22 @@ def test_layers_benchmark_runs(tmp_path):
                                        "MLP, XLA:CPU YNN fusions", "train step (tiny model), XLA:CPU YNN fusions"}
   assert len(rows) == 16
   assert all(r["fwd_bwd_ms"] > 0 for r in rows)
+
+
+def test_host_allocator_benchmark_runs_each_allocator_in_its_own_process(tmp_path):
+  from hnclip_jax import hostmem
+  lib = hostmem.find_tcmalloc()
+  if lib is None:  # the mechanics still run: preload some other real shared object in the 'tcmalloc' child
+    import _lzma
+    lib = _lzma.__file__
+  out = tmp_path / "alloc.json"
+  proc = subprocess.run([sys.executable, "benchmarks/host_allocator.py", "--batch", "2", "--steps", "1", "--rounds",
+                         "1", "--tcmalloc", lib, "--json", str(out)], cwd=ROOT, env=_env(1), capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = {r["allocator"]: r for r in json.load(open(out))}
+  assert sorted(rows) == ["system malloc", "tcmalloc"]
+  assert rows["system malloc"]["library"] == "system malloc"
+  assert rows["tcmalloc"]["library"] == (os.path.realpath(lib) if "tcmalloc" in lib else "system malloc")
+  assert rows["system malloc"]["speedup_vs_system"] == 1.0
+  assert all(r["step_s"] > 0 and r["page_faults_per_step"] >= 0 for r in rows.values())
