@@ -57,7 +57,8 @@ def test_host_allocator_benchmark_runs_each_allocator_in_its_own_process(tmp_pat
     lib = _lzma.__file__
   out = tmp_path / "alloc.json"
   proc = subprocess.run([sys.executable, "benchmarks/host_allocator.py", "--batch", "2", "--steps", "1", "--rounds",
-                         "1", "--tcmalloc", lib, "--json", str(out)], cwd=ROOT, env=_env(1), capture_output=True,
+                         "1", "--tcmalloc", lib, "--json", str(out)], cwd=ROOT, capture_output=True,
+                        env=_env(1, {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}),  # 2nd child: no compile
                         text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = {r["allocator"]: r for r in json.load(open(out))}
