@@ -46,9 +46,10 @@ def host_allocator() -> str:
   except OSError:
     return "system malloc"
   for line in maps.splitlines():
-    path = line.split()[-1] if len(line.split()) >= 6 else ""
-    if "tcmalloc" in os.path.basename(path) or "jemalloc" in os.path.basename(path):
-      return path
+    fields = line.split()
+    name = os.path.basename(fields[-1]) if len(fields) >= 6 else ""
+    if "tcmalloc" in name or "jemalloc" in name:
+      return fields[-1]
   return "system malloc"
 
 
@@ -79,9 +80,9 @@ def preload_target(environ=os.environ) -> str | None:
 
 def use_tcmalloc() -> None:
   """Re-executes this program (same interpreter, options and arguments) with tcmalloc preloaded, once, when one
-  is available and not already loaded. Returns (doing nothing) otherwise; call it before importing JAX. A bad
+  is available and no tcmalloc/jemalloc is loaded already. Returns (doing nothing) otherwise; call it before importing JAX. A bad
   HNCLIP_TCMALLOC path ends the program with an 'error: ...' line (exit 2)."""
-  if not sys.platform.startswith("linux") or os.environ.get(_DONE) or "tcmalloc" in host_allocator():
+  if not sys.platform.startswith("linux") or os.environ.get(_DONE) or host_allocator() != "system malloc":
     return
   try:
     path = preload_target()
