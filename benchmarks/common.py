@@ -92,3 +92,15 @@ def make_step(cfg, gamma: float, mesh, opt_overrides=None):
                                        "grad_accum_steps": 1})
   step = train_step.make_train_step(graphdef, tx, mesh, run_cfg, train_step.lr_schedule(opt, 1000), sh)
   return step, tx, sh, graphdef
+
+
+def random_batch(cfg, batch: int, mesh, seed: int = 0):
+  """A global batch for model config `cfg` on `mesh`: normal-noise images and full-length token rows
+  (BOS id 1, random ids, EOT)."""
+  import numpy as np
+  from hnclip_jax import sharding
+  r = np.random.default_rng(seed)
+  ids = np.concatenate([np.full((batch, 1), 1), r.integers(4, cfg.vocab_size - 1, (batch, cfg.text_context - 2)),
+                        np.full((batch, 1), cfg.eot_token_id)], 1).astype(np.int32)
+  return sharding.to_global({"image": r.normal(size=(batch, cfg.image_size, cfg.image_size, 3)).astype(np.float32),
+                             "tokens": ids}, mesh)

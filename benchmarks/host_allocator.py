@@ -25,16 +25,12 @@ def child(model: str, batch: int, steps: int) -> dict:
   import ml_collections
   import numpy as np
 
-  from benchmarks.common import make_step
+  from benchmarks.common import make_step, random_batch
   from hnclip_jax import sharding, train_step
   from hnclip_jax.models import PRESETS, init_params
   cfg = PRESETS[model]
   mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
-  r = np.random.default_rng(0)
-  ids = np.concatenate([np.full((batch, 1), 1), r.integers(4, cfg.vocab_size - 1, (batch, cfg.text_context - 2)),
-                        np.full((batch, 1), cfg.eot_token_id)], 1).astype(np.int32)
-  data = sharding.to_global({"image": r.normal(size=(batch, cfg.image_size, cfg.image_size, 3)).astype(np.float32),
-                             "tokens": ids}, mesh)
+  data = random_batch(cfg, batch, mesh)
   _, params = init_params(cfg, 0)
   step, tx, sh, _ = make_step(cfg, 0.5, mesh)
   state = jax.jit(lambda: train_step.init_state(params, tx), out_shardings=sh)()
