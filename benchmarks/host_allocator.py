@@ -86,7 +86,8 @@ def main():
   base = np.array([r["step_s"] for r in runs["system malloc"]])
   for name, rs in runs.items():
     ratios = base / np.array([r["step_s"] for r in rs])
-    rows.append({"allocator": name, "library": rs[0]["allocator"], "step_s": float(np.median([r["step_s"] for r in rs])),
+    rows.append({"allocator": name, "library": rs[0]["allocator"],
+                 "step_s": float(np.median([r["step_s"] for r in rs])),
                  "speedup_vs_system": float(np.median(ratios)), "speedup_min": float(ratios.min()),
                  "speedup_max": float(ratios.max()),
                  **{k: float(np.median([r[k] for r in rs]))
