@@ -33,6 +33,7 @@ def main(argv):
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.metrics import MetricsWriter, Progress, log, quiet_libraries
   from hnclip_jax.models import abstract_model, init_params
+  from hnclip_jax.objective import Objective
 
   # ---- Config, mesh, checks (all before compiling anything) -----------------
   quiet_libraries()
@@ -57,6 +58,8 @@ def main(argv):
   eval_source = builders.data_source(config.data, config.data.eval_split)
   model_cfg, tokenizer, init_from_params = experiment.resolve_model(config, workdir, training=True)
   sharding.check_model_fits(model_cfg, mesh, rules)
+  objective = Objective.from_config(config.loss)
+  objective.check(model_cfg)
   log(experiment.truncation_report(config, tokenizer))
   graphdef, abstract_params = abstract_model(model_cfg)
   tx = train_step.make_optimizer(config.optimizer, config.total_steps)
@@ -84,8 +87,9 @@ def main(argv):
 
   step_fn = train_step.make_train_step(graphdef, tx, mesh, config, schedule, shardings)
   embed_fn = train_step.make_embed_fn(graphdef, mesh, shardings["params"])
-  diag_fn = diagnostics.make_batch_diagnostics(graphdef, mesh, config.loss.gamma) if config.diagnostics.log else None
-  compare_fn = (diagnostics.make_gradient_comparison(graphdef, mesh, config.loss.gamma, shardings["params"])
+  accum = (config.grad_accum_steps, config.loss.negatives)
+  diag_fn = diagnostics.make_batch_diagnostics(graphdef, mesh, objective, *accum) if config.diagnostics.log else None
+  compare_fn = (diagnostics.make_gradient_comparison(graphdef, mesh, objective, shardings["params"], *accum)
                 if config.diagnostics.every else None)
   meta = {"model": dataclasses.asdict(model_cfg), "tokenizer": tokenizer.kind, "mesh": dict(mesh.shape),
           "config": json.loads(config.to_json()), "code_version": hnclip_jax.code_version()}
@@ -118,7 +122,8 @@ def main(argv):
   progress = Progress(start, config.total_steps)
   log(f"training steps {start} -> {config.total_steps}, global batch {config.batch_size} "
       f"({config.grad_accum_steps} micro-batches, negatives over the {config.loss.negatives.replace('_', ' ')}), "
-      f"gamma={config.loss.gamma}")
+      f"gamma={config.loss.gamma}" + (f", token term weight {config.loss.token_weight}"
+                                       if objective.needs_tokens else ""))
   step = start
   try:
     for step in range(start + 1, config.total_steps + 1):

@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import make_step, median_time  # noqa: E402
 from hnclip_jax import diagnostics, sharding, train_step  # noqa: E402
 from hnclip_jax.models import PRESETS, init_params  # noqa: E402
+from hnclip_jax.objective import Objective  # noqa: E402
 
 
 def main():
@@ -26,10 +27,11 @@ def main():
   a = p.parse_args()
   cfg = PRESETS["tiny"].__class__(**{**PRESETS["tiny"].__dict__, "vocab_size": 128, "eot_token_id": 3})
   mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
-  step, tx, sh, graphdef = make_step(cfg, 0.5, mesh)
+  step, tx, sh, graphdef, _ = make_step(cfg, 0.5, mesh)
   _, params = init_params(cfg, 0)
-  diag = diagnostics.make_batch_diagnostics(graphdef, mesh, 0.5)
-  compare = diagnostics.make_gradient_comparison(graphdef, mesh, 0.5, sh["params"])
+  objective = Objective(gamma=0.5)
+  diag = diagnostics.make_batch_diagnostics(graphdef, mesh, objective)
+  compare = diagnostics.make_gradient_comparison(graphdef, mesh, objective, sh["params"])
   r = np.random.default_rng(0)
   b = a.batch
   batch = sharding.to_global({"image": r.normal(size=(b, 64, 64, 3)).astype(np.float32),

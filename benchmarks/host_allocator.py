@@ -32,7 +32,7 @@ def child(model: str, batch: int, steps: int) -> dict:
   mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
   data = random_batch(cfg, batch, mesh)
   _, params = init_params(cfg, 0)
-  step, tx, sh, _ = make_step(cfg, 0.5, mesh)
+  step, tx, sh, _, _ = make_step(cfg, 0.5, mesh)
   state = jax.jit(lambda: train_step.init_state(params, tx), out_shardings=sh)()
   for _ in range(3):
     state, m = step(state, data)

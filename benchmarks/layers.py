@@ -65,7 +65,7 @@ def step_fns(batch):
   fns, default = {}, train_step.compiler_options
   for name, options in (("off (CPU_COMPILER_OPTIONS)", default), ("on (XLA default)", lambda mesh: None)):
     train_step.compiler_options = options
-    step, tx, sh, _ = make_step(cfg, 0.5, mesh)
+    step, tx, sh, _, _ = make_step(cfg, 0.5, mesh)
     train_step.compiler_options = default
     holder = [jax.jit(lambda: train_step.init_state(params, tx), out_shardings=sh)()]
 

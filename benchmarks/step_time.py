@@ -31,7 +31,7 @@ from hnclip_jax.models import PRESETS, abstract_model, init_params  # noqa: E402
 
 
 def build(cfg, batch, gamma, mesh):
-  step, tx, sh, graphdef = make_step(cfg, gamma, mesh)
+  step, tx, sh, graphdef, _ = make_step(cfg, gamma, mesh)
   _, abstract = abstract_model(cfg)
   state_abs = jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract)
   batch_abs = {"image": jax.ShapeDtypeStruct((batch, cfg.image_size, cfg.image_size, 3), jnp.float32),

@@ -83,7 +83,7 @@ def main():
                      text_layers=layers, text_heads=heads, text_mlp_dim=mlp, eot_token_id=vocab - 1)
     mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
     # torch.optim.AdamW's defaults, no clipping: the same update on both sides.
-    step, tx, sh, _ = make_step(cfg, 0.5, mesh, dict(warmup_steps=0, b2=0.999, eps=1e-8, grad_clip_norm=0.0))
+    step, tx, sh, _, _ = make_step(cfg, 0.5, mesh, dict(warmup_steps=0, b2=0.999, eps=1e-8, grad_clip_norm=0.0))
     _, params = init_params(cfg, 0)
     state = jax.jit(lambda: train_step.init_state(params, tx), out_shardings=sh)()
     batch = sharding.to_global({"image": pixels, "tokens": ids.astype(np.int32)}, mesh)

@@ -3,7 +3,9 @@
   python train.py --config configs/longclip_l.py:DATASET --config.init_from=/path/to/longclip-L.pt --workdir DIR
 
 Long-CLIP-L (ViT-L/14, 224 px, 248 text tokens; a 77-token CLIP is stretched as Long-CLIP does), AdamW lr 2e-6
-with cosine decay, effective batch 128 = 8 micro-batches of 16 accumulated inside the step, 10 epochs, γ = 0.5.
+with cosine decay, effective batch 128 = 8 micro-batches of 16 accumulated inside the step, 10 epochs, γ = 0.5, and
+the full objective L_HN + λ·L_tok with the FILIP token term at λ = 1 (paper Eq. 3; its open choices are the
+defaults of config.loss, explained in docs/objective.md).
 Choices the paper leaves open, taken from the published baseline code for the same setting: weight decay 0.05,
 no warmup. Ḡ spans the whole effective batch of 128 (config.loss.negatives="global_batch"; set "micro_batch" for
 16). Seed 42 (the paper also reports 43).
@@ -26,6 +28,7 @@ def get_config(dataset: str = "synthetic"):
   c.grad_accum_steps = 8
   c.loss.gamma = 0.5
   c.loss.negatives = "global_batch"
+  c.loss.token_weight = 1.0
   c.optimizer.lr = 2e-6
   c.optimizer.weight_decay = 0.05
   c.optimizer.warmup_steps = 0

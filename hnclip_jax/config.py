@@ -54,11 +54,19 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.grad_accum_steps = 1  # micro-batches per step, accumulated inside the jitted step
   # negatives: which batch Ḡ and the negatives span when grad_accum_steps > 1 ("micro_batch" | "global_batch").
-  # chunk_size: rows of the loss computed at a time per device (0: all at once).
-  c.loss = ml_collections.ConfigDict({"gamma": 0.5, "negatives": "global_batch", "chunk_size": 0})
+  # chunk_size: rows of the loss computed at a time per device (0: all at once for L_HN; the token term always
+  #   works in blocks of chunk_size, or losses.TOKEN_BLOCK when 0).
+  # token_weight: λ of the FILIP token term (paper Eq. 3; 0 = off). The token-term choices the paper leaves open
+  #   (docs/objective.md says why each default): token_layer (which block's tokens; -1 = last, through the tower's
+  #   final LayerNorm and projection), token_image_cls (CLS token among the patches), token_logit_scale (0 = the
+  #   model's learned s; > 0 = a fixed multiplier), token_margin (add γ·Ḡ to the token logits too).
+  c.loss = ml_collections.ConfigDict({"gamma": 0.5, "negatives": "global_batch", "chunk_size": 0,
+                                      "token_weight": 0.0, "token_layer": -1, "token_image_cls": False,
+                                      "token_logit_scale": 0.0, "token_margin": False})
+  # train_logit_scale: learn CLIP's logit scale (its parameter is clamped to [0, ln 100] after every update).
   c.optimizer = ml_collections.ConfigDict({
       "lr": 5e-4, "weight_decay": 0.1, "warmup_steps": 50,
-      "b1": 0.9, "b2": 0.98, "eps": 1e-6, "grad_clip_norm": 1.0})
+      "b1": 0.9, "b2": 0.98, "eps": 1e-6, "grad_clip_norm": 1.0, "train_logit_scale": True})
   c.model = model_config("tiny", vocab_size=0, eot_token_id=-1)
   c.data = ml_collections.ConfigDict({
       # name: synthetic | docci | dci | long_dci | urban1k | pairs. manual_dir: where the downloaded files are.
@@ -77,7 +85,8 @@ def base_config() -> ml_collections.ConfigDict:
 POSITIVE = ("batch_size", "grad_accum_steps", "total_steps", "log_every", "checkpoint_every", "eval_every", "max_to_keep",
             "eval_batch_size", "data.num_train", "data.num_test", "data.group_size", "data.image_size",
             "optimizer.lr")
-NON_NEGATIVE = ("workers", "loss.chunk_size", "diagnostics.every", "optimizer.weight_decay", "optimizer.warmup_steps", "loss.gamma")
+NON_NEGATIVE = ("workers", "loss.chunk_size", "diagnostics.every", "optimizer.weight_decay", "optimizer.warmup_steps",
+                "loss.gamma", "loss.token_weight", "loss.token_logit_scale")
 
 
 def _flatten(cfg, prefix=""):

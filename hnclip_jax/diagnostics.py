@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from hnclip_jax import losses, sharding
-from hnclip_jax.models import bind
+from hnclip_jax import losses, sharding, train_step
+from hnclip_jax.objective import GLOBAL_OUTPUTS, Objective
 
 SATURATED = 1e-3  # a per-example loss below this counts as saturated (the paper's threshold)
 
@@ -24,7 +24,7 @@ def margin_stats(txt, mesh, axes=sharding.BATCH_AXES):
   def local(t):
     n = t.shape[0]
     t_all = jax.lax.all_gather(t, axes, axis=0, tiled=True)
-    g = t.astype(jnp.float32) @ t_all.astype(jnp.float32).T  # [n, B]
+    g = losses.sims(t.astype(jnp.float32), t_all.astype(jnp.float32), "nd,bd->nb")  # [n, B]
     pos = (jax.lax.axis_index(axes) * n + jnp.arange(n))[:, None] == jnp.arange(batch)[None, :]
     off_sum = jax.lax.psum(jnp.sum(jnp.where(pos, 0.0, g)), axes)
     off_max = jax.lax.pmax(jnp.max(jnp.where(pos, -jnp.inf, g)), axes)
@@ -34,26 +34,31 @@ def margin_stats(txt, mesh, axes=sharding.BATCH_AXES):
   return jax.shard_map(local, mesh=mesh, in_specs=P(axes), out_specs=(P(), P(), P()))(txt)
 
 
-def make_batch_diagnostics(graphdef, mesh, gamma: float):
-  """Jitted (params, batch) -> dict of scalars for the HN-CLIP loss and, on the same logits without the margin,
-  plain InfoNCE: share of saturated examples, loss, gradient norm w.r.t. the embeddings (and whether it is exactly
-  0 in fp32), plus Ḡ statistics. Costs one forward pass of the towers."""
+def _pairs(objective: Objective):
+  """The run's objective and the same objective with plain InfoNCE as its global term (γ = 0)."""
+  return (("hn", objective), ("infonce", objective.replace(gamma=0.0)))
+
+
+def make_batch_diagnostics(graphdef, mesh, objective: Objective, accum_steps: int = 1,
+                           negatives: str = "global_batch"):
+  """Jitted (params, batch) -> dict of scalars for the run's objective and, on the same outputs, the objective with
+  plain InfoNCE (γ = 0): share of saturated examples, loss, gradient norm w.r.t. the model's outputs (and whether
+  it is exactly 0 in fp32), plus Ḡ statistics. Costs one forward pass of the towers, a micro-batch at a time
+  (`accum_steps`), with the train step's negatives."""
+  outputs_fn = train_step.make_outputs_fn(graphdef, mesh, objective, accum_steps)
 
   def diag(params, batch):
-    model = bind(graphdef, params)
-    img, txt, scale = model.encode_image(batch["image"]), model.encode_text(batch["tokens"]), model.scale()
+    floats, masks = train_step.partition_outputs(outputs_fn(params, batch))
     out = {}
-    for name, g in (("hn", gamma), ("infonce", 0.0)):
-      def loss(i, t, g=g):
-        value, i2t, t2i = losses.sharded_hn_clip_loss(i, t, scale, g, mesh, sharding.BATCH_AXES)
-        return value, 0.5 * (i2t + t2i)
-      (value, per_example), (gi, gt) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(img, txt)
-      norm = optax.tree.norm((gi, gt))
+    for name, obj in _pairs(objective):
+      loss_of = train_step.make_loss_of_outputs(mesh, obj, accum_steps, negatives)
+      (value, aux), g = jax.value_and_grad(loss_of, has_aux=True)(floats, masks)
+      norm = optax.tree.norm({k: v for k, v in g.items() if k not in GLOBAL_OUTPUTS})
       out[f"diag/{name}/loss"] = value
-      out[f"diag/{name}/saturated_frac"] = jnp.mean(per_example < SATURATED)
+      out[f"diag/{name}/saturated_frac"] = jnp.mean(aux["per_example"] < SATURATED)
       out[f"diag/{name}/emb_grad_norm"] = norm
       out[f"diag/{name}/emb_grad_zero"] = (norm == 0).astype(jnp.float32)
-    mean, mx, hardest = margin_stats(txt, mesh)
+    mean, mx, hardest = margin_stats(floats["txt"], mesh)
     out.update({"diag/G_offdiag_mean": mean, "diag/G_offdiag_max": mx, "diag/hardest_negative_sim": hardest})
     return out
 
@@ -61,19 +66,16 @@ def make_batch_diagnostics(graphdef, mesh, gamma: float):
   return jax.jit(diag, in_shardings=(None, batch_sh), out_shardings=sharding.replicated(mesh))
 
 
-def make_gradient_comparison(graphdef, mesh, gamma: float, param_shardings):
-  """Jitted (params, batch) -> parameter-gradient norms of HN-CLIP and InfoNCE on the same batch, whether each is
-  exactly 0, their ratio and cosine. Two backward passes: run it every config.diagnostics.every steps only."""
-
-  def grads(params, batch, g):
-    def loss(p):
-      model = bind(graphdef, p)
-      return losses.sharded_hn_clip_loss(model.encode_image(batch["image"]), model.encode_text(batch["tokens"]),
-                                         model.scale(), g, mesh, sharding.BATCH_AXES)[0]
-    return jax.grad(loss)(params)
+def make_gradient_comparison(graphdef, mesh, objective: Objective, param_shardings, accum_steps: int = 1,
+                             negatives: str = "global_batch"):
+  """Jitted (params, batch) -> parameter-gradient norms of the run's objective and of its InfoNCE version (γ = 0)
+  on the same batch, whether each is exactly 0, their ratio and cosine. Both gradients come from the train
+  step's own gradient function (same accumulation, so the same memory); run it every config.diagnostics.every
+  steps only."""
+  grad_fns = {name: train_step.make_grad_fn(graphdef, mesh, obj, accum_steps, negatives) for name, obj in _pairs(objective)}
 
   def compare(params, batch):
-    hn, nce = grads(params, batch, gamma), grads(params, batch, 0.0)
+    hn, nce = (grad_fns[name](params, batch)[1] for name in ("hn", "infonce"))
     dot = sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(hn), jax.tree.leaves(nce)))
     n_hn, n_nce = optax.tree.norm(hn), optax.tree.norm(nce)
     return {"diag/hn/param_grad_norm": n_hn, "diag/infonce/param_grad_norm": n_nce,

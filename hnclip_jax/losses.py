@@ -1,46 +1,124 @@
-"""HN-CLIP and CLIP contrastive losses.
+"""The math of the objective's terms: HN-CLIP (paper Eq. 2) and the FILIP token term (Eq. 3).
 
-Everything here is a pure function of L2-normalised embeddings. The same
-row-block routine (`contrastive_rows`) serves the single-device loss and the
-mesh-sharded loss, so the two cannot drift apart.
+Everything here is a pure function of L2-normalised features, written for a *block of rows* of the global batch
+against the whole batch: the single-device losses below call the row functions with all rows, and the mesh
+objective (`hnclip_jax.objective`) calls the same functions on each device's rows inside `shard_map`, so the two
+cannot drift apart. Every similarity, margin and cross-entropy is computed with fp32 accumulation and, for fp32
+operands, `Precision.HIGHEST` (no bf16 passes on TPU, no TF32 on GPU): the margin γ·Ḡ is a small difference of
+near-equal similarities, and rounding it away is rounding the method away.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+
+F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST
+# Rows / columns of the token term computed at a time when config.loss.chunk_size is 0: the live block is
+# [TOKEN_BLOCK, TOKEN_BLOCK, L_image, L_text] (65 MB at ViT-L/14 with 248 text tokens).
+TOKEN_BLOCK = 16
+_NEG = -1e30  # masked-out similarity; finite, so masked entries get an exact-zero gradient, never NaN
+
+
+def sims(a, b, spec: str):
+  """einsum(spec, a, b) with fp32 accumulation, at full fp32 precision when the operands are fp32.
+
+  bf16 operands (config.dtype="bfloat16") are multiplied in bf16 and accumulated in fp32."""
+  precision = HIGHEST if a.dtype == F32 and b.dtype == F32 else None
+  return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=F32)
+
+
+def divisor_at_most(n: int, k: int) -> int:
+  """The largest divisor of n that is <= k (>= 1): a block size that tiles n exactly."""
+  k = max(1, min(n, k))
+  while n % k:
+    k -= 1
+  return k
+
+
+def _margin(txt_rows, txt_all, gamma, is_pos):
+  """γ·Ḡ for a block of rows: [n, B], stop-gradient, zero at the positives. Ḡ is symmetric, so the same rows
+  serve image→text (row i of S + γḠ) and text→image (column i of it)."""
+  g_rows = jax.lax.stop_gradient(sims(txt_rows.astype(F32), txt_all.astype(F32), "nd,bd->nb"))
+  return gamma * jnp.where(is_pos, 0.0, g_rows)
+
+
+def _cross_entropy(logits, is_pos):  # [n, B] fp32 logits, [n, B] bool -> [n] CE with the marked target
+  pos = jnp.sum(jnp.where(is_pos, logits, 0.0), axis=1)
+  return jax.nn.logsumexp(logits, axis=1) - pos
+
+
+def _positives(n, batch, row_offset):  # [n, B] bool: the global position of each row's positive
+  return (row_offset + jnp.arange(n))[:, None] == jnp.arange(batch)[None, :]
+
+
+def has_margin(gamma) -> bool:
+  return not (isinstance(gamma, (int, float)) and gamma == 0)
 
 
 def contrastive_rows(img_rows, txt_rows, img_all, txt_all, logit_scale, gamma, row_offset):
-  """Per-example losses for a block of rows of the global batch.
+  """Per-example losses of the global term for a block of rows of the global batch.
 
   img_rows, txt_rows: [n, D] rows `row_offset .. row_offset+n` of the batch.
   img_all, txt_all:   [B, D] the whole (global) batch.
   Returns (i2t [n], t2i [n]) fp32 cross-entropies: row i of s·(S + γḠ) with
-  target i (image→text) and column i of it (text→image).
+  target i (image→text) and column i of it (text→image). A Python γ = 0 is plain InfoNCE exactly.
   """
-  f32 = jnp.float32
-  img_rows, txt_rows, img_all, txt_all = (x.astype(f32) for x in (img_rows, txt_rows, img_all, txt_all))
-  n, batch = img_rows.shape[0], img_all.shape[0]
-  labels = row_offset + jnp.arange(n)  # [n] global positions of the positives
-  is_pos = labels[:, None] == jnp.arange(batch)[None, :]  # [n, B]
-  s_rows = img_rows @ txt_all.T  # [n, B] rows of S
-  s_cols = txt_rows @ img_all.T  # [n, B] columns of S (S is not symmetric)
-  if isinstance(gamma, (int, float)) and gamma == 0:
-    margin = 0.0
-  else:
-    # Ḡ is symmetric, so its rows serve both directions. The positive gets no margin.
-    g_rows = jax.lax.stop_gradient(txt_rows @ txt_all.T)  # [n, B]
-    margin = gamma * jnp.where(is_pos, 0.0, g_rows)
+  img_rows, txt_rows, img_all, txt_all = (x.astype(F32) for x in (img_rows, txt_rows, img_all, txt_all))
+  is_pos = _positives(img_rows.shape[0], img_all.shape[0], row_offset)
+  s_rows = sims(img_rows, txt_all, "nd,bd->nb")  # [n, B] rows of S
+  s_cols = sims(txt_rows, img_all, "nd,bd->nb")  # [n, B] columns of S (S is not symmetric)
+  margin = _margin(txt_rows, txt_all, gamma, is_pos) if has_margin(gamma) else 0.0
+  scale = logit_scale.astype(F32)
+  return _cross_entropy(scale * (s_rows + margin), is_pos), _cross_entropy(scale * (s_cols + margin), is_pos)
 
-  def ce(sims):  # [n, B] -> [n]
-    logits = logit_scale.astype(f32) * (sims + margin)
-    pos = jnp.sum(jnp.where(is_pos, logits, 0.0), axis=1)
-    return jax.nn.logsumexp(logits, axis=1) - pos
 
-  return ce(s_rows), ce(s_cols)
+def token_scores(img_r, txt_r, mask_r, img_c, txt_c, mask_c):
+  """FILIP late-interaction scores of r row pairs against c column pairs.
+
+  img_*: [*, P, E] per-patch features, txt_*: [*, L, E] per-token features (both L2-normalised per token),
+  mask_*: [*, L] bool, True on real text tokens.
+  Returns (i2t [r, c]: image a vs caption b = mean over a's patches of the max over b's real tokens,
+           t2i [r, c]: caption a vs image b = mean over a's real tokens of the max over b's patches), fp32.
+  Lives as [r, c, P, L]: call it on blocks (see `token_rows`).
+  """
+  s = sims(img_r, txt_c, "ape,bqe->abpq")  # [r, c, P, L]
+  i2t = jnp.mean(jnp.max(jnp.where(mask_c[None, :, None, :], s, _NEG), axis=3), axis=2)
+  best = jnp.max(sims(txt_r, img_c, "aqe,bpe->abqp"), axis=3)  # [r, c, L]
+  m = mask_r[:, None, :].astype(F32)
+  t2i = jnp.sum(best * m, axis=2) / jnp.maximum(jnp.sum(m, axis=2), 1.0)
+  return i2t, t2i
+
+
+def token_rows(img_tok_rows, txt_tok_rows, mask_rows, img_tok_all, txt_tok_all, mask_all, logit_scale,
+               row_offset, block: int = TOKEN_BLOCK, margin=None):
+  """Per-example losses of the token term (paper Eq. 3, FILIP) for a block of rows of the global batch.
+
+  *_rows: this block's n pairs ([n, P, E], [n, L, E], [n, L]); *_all: the whole batch's ([B, ...]).
+  The [n, B] token-level score rows are built `block` rows × `block` columns at a time, each block
+  rematerialised in the backward pass, so at most [block, block, P, L] similarities are alive (never [n, B, P, L]).
+  margin: None, or (gamma, txt_emb_rows [n, D], txt_emb_all [B, D]) to add HN-CLIP's γ·Ḡ to the token logits.
+  Returns (i2t [n], t2i [n]) fp32 cross-entropies of s·scores with the diagonal as target.
+  """
+  n, batch = img_tok_rows.shape[0], img_tok_all.shape[0]
+  rb, cb = divisor_at_most(n, block), divisor_at_most(batch, block)
+  tile = lambda x, k: x.reshape(x.shape[0] // k, k, *x.shape[1:])
+  cols = (tile(img_tok_all, cb), tile(txt_tok_all, cb), tile(mask_all, cb))  # [B/cb, cb, ...]
+  pair = jax.checkpoint(token_scores)
+
+  @jax.checkpoint
+  def row_block(k, img_r, txt_r, mask_r, emb_r):
+    _, (i2t, t2i) = jax.lax.scan(lambda c, col: (c, pair(img_r, txt_r, mask_r, *col)), None, cols)
+    i2t, t2i = (x.transpose(1, 0, 2).reshape(rb, batch) for x in (i2t, t2i))  # [rb, B]
+    is_pos = _positives(rb, batch, row_offset + k * rb)
+    extra = 0.0 if margin is None else _margin(emb_r, margin[2], margin[0], is_pos)
+    scale = logit_scale.astype(F32)
+    return _cross_entropy(scale * (i2t + extra), is_pos), _cross_entropy(scale * (t2i + extra), is_pos)
+
+  emb_rows = jnp.zeros((n, 1), F32) if margin is None else margin[1]
+  xs = (jnp.arange(n // rb), tile(img_tok_rows, rb), tile(txt_tok_rows, rb), tile(mask_rows, rb), tile(emb_rows, rb))
+  _, (i2t, t2i) = jax.lax.scan(lambda c, x: (c, row_block(*x)), None, xs)
+  return i2t.reshape(n), t2i.reshape(n)
 
 
 def hn_clip_loss(img_emb, txt_emb, logit_scale, gamma):
@@ -54,48 +132,8 @@ def clip_loss(img_emb, txt_emb, logit_scale):
   return hn_clip_loss(img_emb, txt_emb, logit_scale, 0.0)
 
 
-def sharded_hn_clip_loss(img_emb, txt_emb, logit_scale, gamma, mesh, batch_axes: Sequence[str],
-                         chunk_size: int | None = None):
-  """HN-CLIP loss of a batch sharded over `batch_axes` of `mesh`. Same value and gradient as `hn_clip_loss`.
-
-  img_emb, txt_emb: [B, D] global arrays sharded along B. Each device gathers
-  the whole batch, builds only its own [B/n_dev, B] rows of S and Ḡ, and the
-  per-device sums are reduced with psum: no device holds the B×B logits. The
-  gather's transpose is a reduce-scatter, so gradients stay sharded.
-  chunk_size: if set (must divide B/n_dev), rows are processed `chunk_size` at a
-  time under rematerialisation, so at most [chunk_size, B] logits are live, in
-  the forward and the backward pass.
-  Returns (loss scalar, per-example i2t [B], per-example t2i [B]).
-  """
-  axes = tuple(batch_axes)
-  batch = img_emb.shape[0]
-
-  def local(img, txt, scale):
-    n = img.shape[0]
-    img_all = jax.lax.all_gather(img, axes, axis=0, tiled=True)  # [B, D]
-    txt_all = jax.lax.all_gather(txt, axes, axis=0, tiled=True)  # [B, D]
-    offset = jax.lax.axis_index(axes) * n
-    if chunk_size is None or chunk_size >= n:
-      i2t, t2i = contrastive_rows(img, txt, img_all, txt_all, scale, gamma, offset)
-    else:
-      if n % chunk_size:
-        raise ValueError(f"config.loss.chunk_size={chunk_size} must divide the per-device batch {n}")
-
-      @jax.checkpoint
-      def block(k, img_c, txt_c):
-        return contrastive_rows(img_c, txt_c, img_all, txt_all, scale, gamma, offset + k * chunk_size)
-
-      def body(_, xs):
-        return None, block(*xs)
-
-      split = lambda x: x.reshape(n // chunk_size, chunk_size, x.shape[-1])
-      _, (i2t, t2i) = jax.lax.scan(body, None, (jnp.arange(n // chunk_size), split(img), split(txt)))
-      i2t, t2i = i2t.reshape(n), t2i.reshape(n)
-    loss = jax.lax.psum(jnp.sum(i2t) + jnp.sum(t2i), axes) / (2 * batch)
-    return loss, i2t, t2i
-
-  fn = jax.shard_map(
-      local, mesh=mesh,
-      in_specs=(P(axes), P(axes), P()),
-      out_specs=(P(), P(axes), P(axes)))
-  return fn(img_emb, txt_emb, jnp.asarray(logit_scale, jnp.float32))
+def token_loss(img_tok, txt_tok, txt_mask, logit_scale, block: int = TOKEN_BLOCK):
+  """FILIP token term on one device. img_tok [B, P, E], txt_tok [B, L, E] per-token L2-normalised, txt_mask [B, L]
+  bool. Returns the scalar ½[CE(s·S_tok^I, y) + CE(s·S_tok^T, y)] (see `token_scores`)."""
+  i2t, t2i = token_rows(img_tok, txt_tok, txt_mask, img_tok, txt_tok, txt_mask, jnp.asarray(logit_scale), 0, block)
+  return 0.5 * (jnp.mean(i2t) + jnp.mean(t2i))

@@ -6,8 +6,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hnclip_jax import losses, sharding
+from hnclip_jax import sharding
 from hnclip_jax.models import bind
+from hnclip_jax.models.clip import LOGIT_SCALE_PARAM_MAX
+from hnclip_jax.objective import GLOBAL_OUTPUTS, Objective
+
+SCALE_PARAM = "logit_scale"  # the params-dict key of CLIP's log logit scale
 
 NEGATIVES = ("micro_batch", "global_batch")
 
@@ -31,14 +35,26 @@ def lr_schedule(opt_cfg, total_steps: int):
 
 
 def make_optimizer(opt_cfg, total_steps: int) -> optax.GradientTransformation:
-  """AdamW with warmup-cosine schedule; weight decay only on matrices (no biases, norms, scale)."""
+  """AdamW with warmup-cosine schedule; weight decay only on matrices (no biases, norms, scale).
+
+  With config.optimizer.train_logit_scale=False the logit scale gets no update and no optimizer state."""
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   chain = []
   if opt_cfg.grad_clip_norm and opt_cfg.grad_clip_norm > 0:
     chain.append(optax.clip_by_global_norm(opt_cfg.grad_clip_norm))
   chain.append(optax.adamw(lr_schedule(opt_cfg, total_steps), b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
                            weight_decay=opt_cfg.weight_decay, mask=decay_mask))
-  return optax.chain(*chain)
+  tx = optax.chain(*chain)
+  if opt_cfg.get("train_logit_scale", True):
+    return tx
+  labels = lambda params: {k: ("frozen" if k == SCALE_PARAM else jax.tree.map(lambda _: "train", v))
+                           for k, v in params.items()}
+  return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+def clamp_logit_scale(params: dict) -> dict:
+  """The logit-scale parameter clipped to [0, ln 100] (OpenAI / open_clip: after the update, not in the forward)."""
+  return {**params, SCALE_PARAM: jnp.clip(params[SCALE_PARAM], 0.0, LOGIT_SCALE_PARAM_MAX)}
 
 
 def init_state(params, tx) -> dict:
@@ -63,86 +79,130 @@ def check_accumulation(config, mesh) -> None:
                      f"{per_device} (batch_size / grad_accum_steps / batch shards)")
 
 
-def _embed(graphdef, params, images, tokens):
-  model = bind(graphdef, params)
-  return model.encode_image(images), model.encode_text(tokens)  # [b, E] each
+def make_forward(graphdef, objective: Objective):
+  """(params, images [b,H,W,3], tokens [b,L]) -> the model's outputs dict, with what `objective` needs."""
+  return lambda params, images, tokens: objective.forward(bind(graphdef, params), images, tokens)
 
 
-def _scale(graphdef, params):
-  return bind(graphdef, params).scale()
+def _is_float(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def make_grad_fn(graphdef, mesh, gamma: float, chunk_size=None, accum_steps: int = 1,
-                 negatives: str = "micro_batch"):
-  """(params, batch) -> (loss, grads). batch: image f32 [B,H,W,3], tokens int32 [B,L], sharded over the batch axes.
+def partition_outputs(outputs):
+  """outputs -> (differentiable float leaves, the rest: masks)."""
+  return ({k: v for k, v in outputs.items() if _is_float(v)}, {k: v for k, v in outputs.items() if not _is_float(v)})
 
-  accum_steps > 1 splits the batch into micro-batches inside the step:
-  - negatives="micro_batch": each micro-batch is its own contrastive batch (its own Ḡ); losses/grads averaged.
-  - negatives="global_batch": embeddings of all micro-batches are computed first (no activations kept),
-    the loss over the whole batch gives embedding gradients, then each micro-batch is recomputed and
-    back-propagated (GradCache). The gradient equals the un-accumulated one; activation memory is one micro-batch.
-  """
 
-  def loss_of_embeddings(img, txt, scale):
-    return losses.sharded_hn_clip_loss(img, txt, scale, gamma, mesh, sharding.BATCH_AXES, chunk_size)[0]
-
-  def loss_fn(params, images, tokens):
-    img, txt = _embed(graphdef, params, images, tokens)
-    return loss_of_embeddings(img, txt, _scale(graphdef, params))
-
-  if accum_steps == 1:
-    return lambda params, batch: jax.value_and_grad(loss_fn)(params, batch["image"], batch["tokens"])
-
+def _micro_batching(mesh, accum_steps: int):
+  """(split, merge) of [B, ...] arrays into [A, B/A, ...] micro-batches and back. Micro-batch k holds rows
+  k, k+A, ... so it spans every device."""
   micro_sharding = NamedSharding(mesh, P(None, sharding.BATCH_AXES))
 
-  def split(x):  # [B, ...] -> [A, B/A, ...]; micro-batch k holds rows k, k+A, ... so it spans every device
+  def split(x):
     x = x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1)
     return jax.lax.with_sharding_constraint(x, micro_sharding)
 
-  def merge(x):  # inverse of split: [A, B/A, ...] -> [B, ...]
+  def merge(x):
     x = x.swapaxes(0, 1)
     return jax.lax.with_sharding_constraint(x.reshape(-1, *x.shape[2:]), sharding.batch_sharding(mesh))
 
+  return split, merge
+
+
+def make_outputs_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1):
+  """(params, batch) -> outputs of the whole batch, computed a micro-batch at a time (no activations kept)."""
+  forward = make_forward(graphdef, objective)
+  if accum_steps == 1:
+    return lambda params, batch: forward(params, batch["image"], batch["tokens"])
+  split, merge = _micro_batching(mesh, accum_steps)
+
+  def outputs(params, batch):
+    _, outs = jax.lax.scan(lambda c, mb: (c, forward(params, *mb)), None, (split(batch["image"]), split(batch["tokens"])))
+    return {k: v[0] if k in GLOBAL_OUTPUTS else merge(v) for k, v in outs.items()}
+
+  return outputs
+
+
+def make_loss_of_outputs(mesh, objective: Objective, accum_steps: int = 1, negatives: str = "global_batch"):
+  """(float outputs, mask outputs) of the whole batch -> (loss, aux) as `objective` returns them, with the
+  negatives of `negatives`: the whole batch, or each of the `accum_steps` micro-batches on its own (averaged)."""
+  if negatives not in NEGATIVES:
+    raise ValueError(f"config.loss.negatives={negatives!r}; choose one of {NEGATIVES}")
+  if accum_steps == 1 or negatives == "global_batch":
+    return lambda floats, masks: objective({**floats, **masks}, mesh)
+  split, merge = _micro_batching(mesh, accum_steps)
+
+  def loss(floats, masks):
+    outs = {k: v if k in GLOBAL_OUTPUTS else split(v) for k, v in {**floats, **masks}.items()}
+    glob = {k: outs.pop(k) for k in GLOBAL_OUTPUTS if k in outs}
+    values, aux = jax.lax.map(lambda o: objective({**o, **glob}, mesh), outs)
+    return jnp.mean(values), {"terms": jax.tree.map(jnp.mean, aux["terms"]), "per_example": merge(aux["per_example"])}
+
+  return loss
+
+
+def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, negatives: str = "micro_batch"):
+  """(params, batch) -> ((loss, terms), grads). batch: image f32 [B,H,W,3], tokens int32 [B,L], sharded over the
+  batch axes; terms: the objective's per-term losses.
+
+  accum_steps > 1 splits the batch into micro-batches inside the step:
+  - negatives="micro_batch": each micro-batch is its own contrastive batch (its own Ḡ); losses/grads averaged.
+  - negatives="global_batch": the outputs of all micro-batches are computed first (no activations kept), the
+    objective over the whole batch gives the gradient w.r.t. every output (embeddings, token features, scale),
+    then each micro-batch is recomputed and back-propagated with its slice of it (GradCache). The gradient equals
+    the un-accumulated one; activation memory is one micro-batch.
+  """
+  forward = make_forward(graphdef, objective)
+
+  def loss_fn(params, images, tokens):
+    loss, aux = objective(forward(params, images, tokens), mesh)
+    return loss, aux["terms"]
+
+  if accum_steps == 1:
+    return lambda params, batch: jax.value_and_grad(loss_fn, has_aux=True)(params, batch["image"], batch["tokens"])
+  if negatives not in NEGATIVES:
+    raise ValueError(f"config.loss.negatives={negatives!r}; choose one of {NEGATIVES}")
+  split, _ = _micro_batching(mesh, accum_steps)
+
   def micro_batch_negatives(params, batch):
-    micro = (split(batch["image"]), split(batch["tokens"]))
-
     def body(acc, mb):
-      loss, g = jax.value_and_grad(loss_fn)(params, *mb)
-      return jax.tree.map(jnp.add, acc, (loss, g)), None
+      return jax.tree.map(jnp.add, acc, jax.value_and_grad(loss_fn, has_aux=True)(params, *mb)), None
 
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(body, zeros, micro)
-    return loss / accum_steps, jax.tree.map(lambda g: g / accum_steps, grads)
+    zeros = ((jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in objective.term_names}),
+             jax.tree.map(jnp.zeros_like, params))
+    total, _ = jax.lax.scan(body, zeros, (split(batch["image"]), split(batch["tokens"])))
+    return jax.tree.map(lambda x: x / accum_steps, total)
+
+  outputs_fn = make_outputs_fn(graphdef, mesh, objective, accum_steps)
+  loss_of_outputs = make_loss_of_outputs(mesh, objective)
 
   def global_batch_negatives(params, batch):
-    micro = (split(batch["image"]), split(batch["tokens"]))
-    _, (imgs, txts) = jax.lax.scan(lambda c, mb: (c, _embed(graphdef, params, *mb)), None, micro)
-    scale, scale_vjp = jax.vjp(lambda p: _scale(graphdef, p), params)
-    loss, (g_img, g_txt, g_scale) = jax.value_and_grad(loss_of_embeddings, argnums=(0, 1, 2))(
-        merge(imgs), merge(txts), scale)
-
+    floats, masks = partition_outputs(outputs_fn(params, batch))
+    (loss, aux), g_out = jax.value_and_grad(loss_of_outputs, has_aux=True)(floats, masks)
+    # Each micro-batch's cotangent: its rows of the per-example outputs' gradients; the scale's whole gradient
+    # goes to micro-batch 0 (the scale is one parameter, computed again in every micro-batch).
     def body(acc, xs):
-      mb_img, mb_tok, gi, gt = xs
-      _, vjp = jax.vjp(lambda p: _embed(graphdef, p, mb_img, mb_tok), params)
-      return jax.tree.map(jnp.add, acc, vjp((gi, gt))[0]), None
+      k, mb_img, mb_tok, g = xs
+      g = {**g, **{key: jnp.where(k == 0, g_out[key], 0.0) for key in GLOBAL_OUTPUTS if key in g_out}}
+      _, vjp = jax.vjp(lambda p: partition_outputs(forward(p, mb_img, mb_tok))[0], params)
+      return jax.tree.map(jnp.add, acc, vjp(g)[0]), None
 
-    grads, _ = jax.lax.scan(body, scale_vjp(g_scale)[0], (*micro, split(g_img), split(g_txt)))
-    return loss, grads
+    xs = (jnp.arange(accum_steps), split(batch["image"]), split(batch["tokens"]),
+          {k: split(v) for k, v in g_out.items() if k not in GLOBAL_OUTPUTS})
+    grads, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), xs)
+    return (loss, aux["terms"]), grads
 
-  if negatives == "micro_batch":
-    return micro_batch_negatives
-  if negatives == "global_batch":
-    return global_batch_negatives
-  raise ValueError(f"config.loss.negatives={negatives!r}; choose one of {NEGATIVES}")
+  return micro_batch_negatives if negatives == "micro_batch" else global_batch_negatives
 
 
 def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings):
   """Returns jitted step(state, batch) -> (state, metrics); the state is donated."""
-  grad_fn = make_grad_fn(graphdef, mesh, config.loss.gamma, config.loss.chunk_size or None,
-                         config.grad_accum_steps, config.loss.negatives)
+  objective = Objective.from_config(config.loss)
+  grad_fn = make_grad_fn(graphdef, mesh, objective, config.grad_accum_steps, config.loss.negatives)
+  clamp = config.optimizer.train_logit_scale
 
   def step(state, batch):
-    loss, grads = grad_fn(state["params"], batch)
+    (loss, terms), grads = grad_fn(state["params"], batch)
     grad_norm = optax.tree.norm(grads)
     # A non-finite loss or gradient leaves parameters and optimizer state as they were; the host decides
     # (config.on_nonfinite) whether that ends the run or is only counted. A cond rather than a select of old vs
@@ -152,13 +212,16 @@ def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings):
 
     def update(params, opt_state):
       updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
+      params = optax.apply_updates(params, updates)
+      return (clamp_logit_scale(params) if clamp else params), opt_state
 
     params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), state["params"], state["opt_state"])
     bad = state["nonfinite_steps"] + jnp.where(finite, 0, 1)
     first = jnp.where((state["first_nonfinite_step"] < 0) & ~finite, state["step"] + 1, state["first_nonfinite_step"])
-    metrics = {"loss": loss, "lr": schedule(state["step"]), "logit_scale": _scale(graphdef, state["params"]),
+    metrics = {"loss": loss, "lr": schedule(state["step"]), "logit_scale": jnp.exp(state["params"][SCALE_PARAM]),
                "grad_norm": grad_norm, "nonfinite_steps": bad}
+    if len(terms) > 1:
+      metrics.update({f"loss/{k}": v for k, v in terms.items()})
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "nonfinite_steps": bad,
             "first_nonfinite_step": first}, metrics
 
@@ -169,7 +232,12 @@ def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings):
 
 
 def make_embed_fn(graphdef, mesh, param_shardings):
-  """Jitted (params, images [B,H,W,3], tokens [B,L]) -> (img_emb [B,E], txt_emb [B,E]), batch-sharded."""
+  """Jitted (params, images [B,H,W,3], tokens [B,L]) -> (img_emb [B,E], txt_emb [B,E]), batch-sharded (eval)."""
   batch_sh = sharding.batch_sharding(mesh)
-  return jax.jit(lambda p, i, t: _embed(graphdef, p, i, t), in_shardings=(param_shardings, batch_sh, batch_sh),
+
+  def embed(params, images, tokens):
+    out = bind(graphdef, params)(images, tokens)
+    return out["img"], out["txt"]
+
+  return jax.jit(embed, in_shardings=(param_shardings, batch_sh, batch_sh),
                  out_shardings=(batch_sh, batch_sh), compiler_options=compiler_options(mesh))

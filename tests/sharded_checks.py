@@ -10,6 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hnclip_jax import losses, sharding, train_step
 from hnclip_jax.models import CLIPConfig, init_params
+from hnclip_jax.objective import Objective, embedding_outputs
 
 LAYOUTS = [(8, 1, 1), (2, 4, 1), (1, 8, 1), (2, 2, 2), (4, 1, 2)]
 CFG = CLIPConfig(embed_dim=16, image_size=16, patch_size=8, vision_width=32, vision_layers=1, vision_heads=4,
@@ -35,19 +36,22 @@ def max_rel(a, b):
 graphdef, params = init_params(CFG, 0)
 rng = np.random.default_rng(0)
 B = 16
-batch = {"image": rng.normal(size=(B, 16, 16, 3)).astype(np.float32),
-         "tokens": np.concatenate([np.full((B, 1), 2), rng.integers(4, 64, (B, 6)), np.full((B, 1), 3)], 1)
-         .astype(np.int32)}
+# Captions of unequal length (start 2, words, end 3, then padding 0), so the token term's masks matter.
+lengths = rng.integers(3, 9, B)
+tokens = np.where(np.arange(8)[None] < lengths[:, None] - 1, rng.integers(4, 64, (B, 8)), 0)
+tokens[:, 0], tokens[np.arange(B), lengths - 1] = 2, 3
+batch = {"image": rng.normal(size=(B, 16, 16, 3)).astype(np.float32), "tokens": tokens.astype(np.int32)}
 
 
-def grads_on(shape, accum=1, negatives="global_batch", chunk=None, gamma=0.5):
+def grads_on(shape, accum=1, negatives="global_batch", chunk=0, gamma=0.5, token_weight=0.0):
   mesh = mesh_of(shape)
   abstract = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)}
   psh = sharding.state_shardings(abstract, "params", mesh, RULES)["params"]
-  fn = train_step.make_grad_fn(graphdef, mesh, gamma, chunk, accum, negatives)
+  objective = Objective(gamma=gamma, chunk_size=chunk, token_weight=token_weight)
+  fn = train_step.make_grad_fn(graphdef, mesh, objective, accum, negatives)
   bsh = sharding.batch_sharding(mesh)
   f = jax.jit(fn, in_shardings=(psh, bsh), out_shardings=(sharding.replicated(mesh), psh))
-  loss, grads = f(jax.device_put(params, psh), jax.device_put(batch, bsh))
+  (loss, _), grads = f(jax.device_put(params, psh), jax.device_put(batch, bsh))
   return float(loss), jax.device_get(grads), psh
 
 
@@ -62,6 +66,17 @@ for shape in LAYOUTS:
                     "fc1_kernel": str(blk["fc1"]["kernel"].spec), "fc2_kernel": str(blk["fc2"]["kernel"].spec),
                     "ln1_scale": str(blk["ln1"]["scale"].spec), "token_embedding": str(psh["token_embedding"]["embedding"].spec),
                     "logit_scale": str(psh["logit_scale"].spec)}
+
+# The full objective with the token term (λ = 1): every layout, accumulation and chunking equal one device.
+tok_loss, tok_grads, _ = grads_on((1, 1, 1), token_weight=1.0)
+out["token_term_differs"] = abs(tok_loss - ref_loss) / ref_loss
+out["token_layouts"] = {}
+for shape in LAYOUTS:
+  loss, grads, _ = grads_on(shape, token_weight=1.0)
+  out["token_layouts"][str(shape)] = {"loss_rel": abs(loss - tok_loss) / tok_loss, "grad_rel": max_rel(grads, tok_grads)}
+for name, kw in (("accum x2 (2, 2, 2)", dict(shape=(2, 2, 2), accum=2)), ("chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1))):
+  loss, grads, _ = grads_on(token_weight=1.0, **kw)
+  out["token_layouts"][name] = {"loss_rel": abs(loss - tok_loss) / tok_loss, "grad_rel": max_rel(grads, tok_grads)}
 
 # Optimizer state follows the parameters.
 mesh = mesh_of((2, 2, 2))
@@ -96,10 +111,10 @@ out["chunked"] = {"loss_rel": abs(loss_c - ref_loss) / ref_loss, "grad_rel": max
 mesh = mesh_of((8, 1, 1))
 sh = NamedSharding(mesh, P(sharding.BATCH_AXES))
 out["memory"] = {}
-for chunk in (None, 32):
+for chunk in (0, 32):
   for gb in (1024, 2048, 4096):
     x = jax.ShapeDtypeStruct((gb, 64), jnp.float32, sharding=sh)
-    f = lambda a, b: losses.sharded_hn_clip_loss(a, b, 30.0, 0.5, mesh, sharding.BATCH_AXES, chunk)[0]
+    f = lambda a, b: Objective(gamma=0.5, chunk_size=chunk)(embedding_outputs(a, b, 30.0), mesh)[0]
     compiled = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(x, x).compile()
     hlo = compiled.as_text()
     shapes = set(re.findall(r"f32\[(\d+),(\d+)\]", hlo))
@@ -107,4 +122,17 @@ for chunk in (None, 32):
         "temp": compiled.memory_analysis().temp_size_in_bytes,
         "has_full": (str(gb), str(gb)) in shapes,
         "has_rows": (str(gb // 8), str(gb)) in shapes or (str(chunk), str(gb)) in shapes}
+
+# The token term's memory: no [B, B, P, L] (nor [n_local, B, P, L]) buffer anywhere in the compiled program.
+TB, TP, TL, TE = 256, 16, 12, 8
+tok = {"img": jax.ShapeDtypeStruct((TB, TE), jnp.float32, sharding=sh),
+       "txt": jax.ShapeDtypeStruct((TB, TE), jnp.float32, sharding=sh),
+       "img_tokens": jax.ShapeDtypeStruct((TB, TP, TE), jnp.float32, sharding=sh),
+       "txt_tokens": jax.ShapeDtypeStruct((TB, TL, TE), jnp.float32, sharding=sh)}
+mask = jax.ShapeDtypeStruct((TB, TL), jnp.bool_, sharding=sh)
+f = lambda o, m: Objective(gamma=0.5, token_weight=1.0)({**o, "txt_mask": m, "scale": jnp.float32(30.0)}, mesh)[0]
+hlo = jax.jit(jax.value_and_grad(f)).lower(tok, mask).compile().as_text()
+sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"[fs]\d+\[([\d,]*)\]", hlo)]
+out["token_memory"] = {"largest_buffer": max(sizes), "BxBxPxL": TB * TB * TP * TL, "nxBxPxL": TB // 8 * TB * TP * TL,
+                       "block": losses.TOKEN_BLOCK ** 2 * TP * TL}
 print("RESULT " + json.dumps(out))

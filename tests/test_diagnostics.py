@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import Mesh
 
 from hnclip_jax import diagnostics, losses
+from hnclip_jax.objective import Objective, embedding_outputs
 from hnclip_jax.tools.caption_geometry import bucket_shares, similarity_stats
 from conftest import run_py
 
@@ -29,10 +30,10 @@ def test_margin_stats_match_numpy():
 def _embedding_diag(img, txt, scale, gamma):
   """The telemetry of make_batch_diagnostics, on given embeddings (no towers)."""
   out = {}
-  for name, g in (("hn", gamma), ("infonce", 0.0)):
-    def loss(i, t, g=g):
-      v, a, b = losses.sharded_hn_clip_loss(i, t, scale, g, MESH, ("data", "fsdp"))
-      return v, 0.5 * (a + b)
+  for name, obj in diagnostics._pairs(Objective(gamma=gamma)):
+    def loss(i, t, obj=obj):
+      v, aux = obj(embedding_outputs(i, t, scale), MESH)
+      return v, aux["per_example"]
     (v, per), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(img, txt)
     out[name] = (float(v), float(jnp.mean(per < diagnostics.SATURATED)),
                  float(jnp.sqrt(sum(jnp.sum(x * x) for x in grads))))

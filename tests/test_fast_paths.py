@@ -122,15 +122,14 @@ def test_train_step_skips_nonfinite_in_place_and_uses_cpu_options(setup):
   from hnclip_jax import sharding, train_step
   params, pixels, tokens = setup
   graphdef, _ = init_params(CFG, 0)
-  opt = ml_collections.ConfigDict(dict(lr=1e-3, weight_decay=0.1, warmup_steps=0, b1=0.9, b2=0.98, eps=1e-6,
-                                       grad_clip_norm=1.0))
+  run = config_lib.base_config()
+  run.optimizer.update(dict(lr=1e-3, warmup_steps=0))
+  opt = run.optimizer
   tx = train_step.make_optimizer(opt, 10)
   mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1}), jax.devices()[:1])
   state = train_step.init_state(params, tx)
   sh = sharding.state_shardings(jax.eval_shape(lambda: state), "params", mesh,
                                 sharding.parse_rules(sharding.DEFAULT_RULES))
-  run = ml_collections.ConfigDict({"loss": {"gamma": 0.5, "chunk_size": 0, "negatives": "global_batch"},
-                                   "grad_accum_steps": 1})
   step = train_step.make_train_step(graphdef, tx, mesh, run, train_step.lr_schedule(opt, 10), sh)
   state = jax.device_put(state, sh)
   before = jax.tree.map(np.asarray, state)

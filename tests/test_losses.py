@@ -125,6 +125,7 @@ import itertools, json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from hnclip_jax import losses
+from hnclip_jax.objective import Objective, embedding_outputs
 r = np.random.default_rng(0)
 v = r.normal(size=(32, 16)); v /= np.linalg.norm(v, axis=1, keepdims=True)
 t = r.normal(size=(32, 16)); t = t[:1] + 0.3 * t; t /= np.linalg.norm(t, axis=1, keepdims=True)
@@ -134,7 +135,7 @@ out = {}
 for shape in [(8, 1, 1), (2, 4, 1), (1, 8, 1), (2, 2, 2), (4, 1, 2)]:
   mesh = Mesh(np.array(jax.devices()).reshape(shape), ("data", "fsdp", "tensor"))
   sh = NamedSharding(mesh, P(("data", "fsdp")))
-  f = lambda a, b: losses.sharded_hn_clip_loss(a, b, 30.0, 0.5, mesh, ("data", "fsdp"))[0]
+  f = lambda a, b: Objective(gamma=0.5)(embedding_outputs(a, b, 30.0), mesh)[0]
   val, (gv, gt) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(jax.device_put(v, sh), jax.device_put(t, sh))
   out[str(shape)] = [abs(float(val) - float(dense[0])) / abs(float(dense[0])),
                      float(np.abs(np.asarray(gv) - np.asarray(dense[1][0])).max()),

@@ -20,6 +20,19 @@ def test_every_layout_matches_one_device(checks):
     assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (layout, r)
 
 
+def test_token_term_every_layout_matches_one_device(checks):
+  assert checks["token_term_differs"] > 1e-2  # λ = 1 really adds a term
+  assert len(checks["token_layouts"]) == 7
+  for layout, r in checks["token_layouts"].items():
+    assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (layout, r)
+
+
+def test_token_term_never_materialises_the_pairwise_token_tensor(checks):
+  m = checks["token_memory"]
+  # Blocks of TOKEN_BLOCK rows x TOKEN_BLOCK columns x P x L are the largest thing alive ...
+  assert m["largest_buffer"] <= m["block"] < m["nxBxPxL"] < m["BxBxPxL"], m
+
+
 def test_parameters_follow_the_logical_rules(checks):
   assert checks["specs"] == {"q_kernel": "P('fsdp', 'tensor')", "out_kernel": "P('tensor', 'fsdp')",
                              "fc1_kernel": "P('fsdp', 'tensor')", "fc2_kernel": "P('tensor', 'fsdp')",
@@ -44,12 +57,12 @@ def test_no_device_holds_the_full_logits(checks):
   for key, m in mem.items():
     assert not m["has_full"] and m["has_rows"], key
   # Unchunked: memory ~ n_local × B, so doubling B (and n_local) roughly quadruples it ...
-  assert 3.0 < mem["None/4096"]["temp"] / mem["None/2048"]["temp"] < 4.5
+  assert 3.0 < mem["0/4096"]["temp"] / mem["0/2048"]["temp"] < 4.5
   # ... and stays well below one B×B fp32 matrix per device.
-  assert mem["None/4096"]["temp"] < 0.95 * 4096 * 4096 * 4
+  assert mem["0/4096"]["temp"] < 0.95 * 4096 * 4096 * 4
   # Row-chunked: memory ~ chunk × B, linear in B.
   assert 1.8 < mem["32/4096"]["temp"] / mem["32/2048"]["temp"] < 2.2
-  assert mem["32/4096"]["temp"] < mem["None/4096"]["temp"] / 4
+  assert mem["32/4096"]["temp"] < mem["0/4096"]["temp"] / 4
 
 
 def test_mesh_shape_resolution_and_errors():

@@ -13,6 +13,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 LOGIT_SCALE_MAX = 100.0
+# The logit-scale *parameter* p (s = exp(p)) is clamped to [0, ln 100] after each optimizer update, as OpenAI's and
+# open_clip's training do (train_step), never in the forward pass: a clamp there would give s a gradient of exactly
+# 0 whenever a checkpoint sits at the bound (OpenAI and Long-CLIP store p = 4.6052 > ln 100).
+LOGIT_SCALE_PARAM_MAX = math.log(LOGIT_SCALE_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +174,8 @@ class Transformer(nnx.Module):
                             for _ in range(layers)])
     self.remat = remat
 
-  def __call__(self, x, causal):  # x: [B, L, W]
+  def __call__(self, x, causal, keep: int | None = None):
+    """x: [B, L, W] -> [B, L, W]; with `keep` = k, returns (output, output of block k) (negative k from the end)."""
     # The blocks see the tokens flattened to [B*L, W]. Every dense layer is then a plain 2-D matmul, whose weight
     # gradient (contracting over B*L) needs no transposed copy of the activations; with [B, L, W] operands XLA:CPU
     # materialises one per layer and the MLP's forward+backward is 1.6-2.3x slower (benchmarks/layers.py).
@@ -179,9 +184,14 @@ class Transformer(nnx.Module):
     if self.remat != "none":
       apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat])
     x = x.reshape(b * l, w)
-    for block in self.blocks:
+    kept = None
+    keep_index = None if keep is None else keep % len(self.blocks)
+    for i, block in enumerate(self.blocks):
       x = apply(block, x)
-    return x.reshape(b, l, w)
+      if i == keep_index:
+        kept = x.reshape(b, l, w)
+    x = x.reshape(b, l, w)
+    return x if keep is None else (x, kept)
 
 
 def _l2_normalize(x):
@@ -217,24 +227,47 @@ class CLIP(nnx.Module):
     self.text_projection = nnx.Param(normal(tw ** -0.5)(rngs.params(), (tw, cfg.embed_dim)))
     self.logit_scale = nnx.Param(jnp.asarray(math.log(1 / 0.07), jnp.float32))
 
-  def image_features(self, pixels):  # [B, H, W, 3] -> [B, E] (unnormalised)
+  def image_tower(self, pixels, token_layer: int | None = None):
+    """pixels [B, H, W, 3] -> (pooled [B, E], tokens [B, 1+P, E] or None), both projected and unnormalised.
+
+    With `token_layer` = k the per-token features of block k's output (CLS first, then the P patches) go through
+    the same final LayerNorm and projection as the pooled CLS token."""
     dt = jnp.dtype(self.cfg.dtype)
     x = self.patch_embed(pixels.astype(dt))  # [B, h, w, W]
     b = x.shape[0]
     x = x.reshape(b, -1, x.shape[-1])
     cls = jnp.broadcast_to(self.class_embedding[...].astype(dt), (b, 1, x.shape[-1]))
     x = jnp.concatenate([cls, x], axis=1) + self.vision_positions[...].astype(dt)
-    x = self.vision(self.ln_pre(x), causal=False)
-    return self.ln_post(x[:, 0]) @ self.visual_projection[...].astype(dt)
+    proj = self.visual_projection[...].astype(dt)
+    if token_layer is None:
+      x = self.vision(self.ln_pre(x), causal=False)
+      return self.ln_post(x[:, 0]) @ proj, None
+    x, kept = self.vision(self.ln_pre(x), causal=False, keep=token_layer)
+    return self.ln_post(x[:, 0]) @ proj, self.ln_post(kept) @ proj
 
-  def text_features(self, tokens):  # [B, L] int -> [B, E] (unnormalised)
+  def text_tower(self, tokens, token_layer: int | None = None):
+    """tokens [B, L] int -> (pooled [B, E] at the first end-of-text token, tokens [B, L, E] or None), projected and
+    unnormalised; `token_layer` as in `image_tower` (the final LayerNorm and projection apply to every token)."""
     dt = jnp.dtype(self.cfg.dtype)
     length = tokens.shape[1]
     x = self.token_embedding(tokens) + self.text_positions[...][:length].astype(dt)
-    x = self.ln_final(self.text(x, causal=True))
-    eot = jnp.argmax(tokens == self.cfg.eot_token_id, axis=1)  # [B] first end-of-text position
-    pooled = jnp.take_along_axis(x, eot[:, None, None], axis=1)[:, 0]
-    return pooled @ self.text_projection[...].astype(dt)
+    proj = self.text_projection[...].astype(dt)
+    if token_layer is None:
+      x, kept = self.text(x, causal=True), None
+    else:
+      x, kept = self.text(x, causal=True, keep=token_layer)
+    x = self.ln_final(x)
+    pooled = jnp.take_along_axis(x, self.eot_positions(tokens)[:, None, None], axis=1)[:, 0]
+    return pooled @ proj, None if kept is None else self.ln_final(kept) @ proj
+
+  def eot_positions(self, tokens):  # [B, L] int -> [B] first end-of-text position
+    return jnp.argmax(tokens == self.cfg.eot_token_id, axis=1)
+
+  def image_features(self, pixels):  # [B, H, W, 3] -> [B, E] (unnormalised)
+    return self.image_tower(pixels)[0]
+
+  def text_features(self, tokens):  # [B, L] int -> [B, E] (unnormalised)
+    return self.text_tower(tokens)[0]
 
   def encode_image(self, pixels):
     return _l2_normalize(self.image_features(pixels))
@@ -243,8 +276,28 @@ class CLIP(nnx.Module):
     return _l2_normalize(self.text_features(tokens))
 
   def scale(self):
-    """The multiplier s = exp(logit_scale), clamped at 100 as in CLIP."""
-    return jnp.minimum(jnp.exp(self.logit_scale[...]), LOGIT_SCALE_MAX)
+    """The multiplier s = exp(logit_scale). Not clamped here: the parameter is clamped after each update."""
+    return jnp.exp(self.logit_scale[...].astype(jnp.float32))
+
+  def __call__(self, pixels, tokens, *, token_layer: int | None = None, image_cls_token: bool = False):
+    """The training forward pass: pixels [B, H, W, 3], tokens [B, L] -> outputs dict.
+
+    Always: "img", "txt" [B, E] L2-normalised fp32 and "scale" (s, a scalar: the only entry without a batch
+    dimension). With `token_layer` (what a token-level loss term asks for): "img_tokens" [B, P, E] (P patches, or
+    1+P with `image_cls_token`) and "txt_tokens" [B, L, E], L2-normalised per token, in the compute dtype, and
+    "txt_mask" [B, L] bool, True on the real tokens (start through the first end-of-text, never padding).
+    """
+    img, img_tok = self.image_tower(pixels, token_layer)
+    txt, txt_tok = self.text_tower(tokens, token_layer)
+    out = {"img": _l2_normalize(img), "txt": _l2_normalize(txt), "scale": self.scale()}
+    if token_layer is not None:
+      dt = jnp.dtype(self.cfg.dtype)
+      if not image_cls_token:
+        img_tok = img_tok[:, 1:]
+      out["img_tokens"] = _l2_normalize(img_tok).astype(dt)
+      out["txt_tokens"] = _l2_normalize(txt_tok).astype(dt)
+      out["txt_mask"] = jnp.arange(tokens.shape[1])[None, :] <= self.eot_positions(tokens)[:, None]
+    return out
 
 
 def split_params(model: CLIP):

@@ -1,0 +1,139 @@
+"""The training objective: model outputs -> (loss, per-term metrics), on a device mesh.
+
+One `Objective`, built from `config.loss`, is the only place the loss is assembled. The train step, the
+global-batch accumulation path, the saturation telemetry and the HN-vs-InfoNCE gradient comparison all call it on
+the model's outputs dict (`CLIP.__call__`: "img", "txt", "scale" and, when a term asks, "img_tokens",
+"txt_tokens", "txt_mask").
+
+    L = L_HN(γ) + λ·L_tok                                     (paper Eq. 2 and 3; λ = config.loss.token_weight)
+
+On a mesh every device all-gathers what its terms need, builds only its own rows of each B×B score matrix against
+the whole batch (the math is in `hnclip_jax.losses`), and the per-device sums are reduced with psum; the gather's
+transpose is a reduce-scatter, so gradients stay sharded and equal the single-device ones.
+
+How to add a term: (1) if it needs new per-example outputs, add them to `CLIP.__call__` behind a keyword (and to
+`model_kwargs` below, so only objectives that use them pay for them); (2) write its math in `losses.py` as a
+function of a block of rows against the whole batch; (3) call it in `Objective.__call__`'s `local` with its weight
+and add its per-example loss to `per`; (4) add its weight and settings to `config.loss` (hnclip_jax/config.py) and
+`from_config`. Accumulation, telemetry, the gradient comparison and sharding then work without further changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from hnclip_jax import losses, sharding
+
+# Outputs without a batch dimension (everything else in an outputs dict is [B, ...]).
+GLOBAL_OUTPUTS = ("scale",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """L_HN(γ) + λ·L_tok. Fields mirror config.loss (see hnclip_jax/config.py and docs/objective.md)."""
+  gamma: float = 0.5
+  token_weight: float = 0.0  # λ; 0 turns the token term (and the token outputs) off
+  chunk_size: int = 0  # rows per device computed at a time (0: all rows for L_HN, losses.TOKEN_BLOCK for L_tok)
+  token_layer: int = -1  # which transformer block's tokens (-1: the last), through the tower's final LN + projection
+  token_image_cls: bool = False  # include the image CLS token among the patches
+  token_logit_scale: float = 0.0  # 0: the model's learned s; > 0: this fixed multiplier for the token logits
+  token_margin: bool = False  # also add γ·Ḡ to the token logits
+  batch_axes: tuple = sharding.BATCH_AXES
+
+  @classmethod
+  def from_config(cls, loss_cfg) -> "Objective":
+    return cls(gamma=float(loss_cfg.gamma), token_weight=float(loss_cfg.token_weight),
+               chunk_size=int(loss_cfg.chunk_size), token_layer=int(loss_cfg.token_layer),
+               token_image_cls=bool(loss_cfg.token_image_cls), token_logit_scale=float(loss_cfg.token_logit_scale),
+               token_margin=bool(loss_cfg.token_margin))
+
+  def check(self, model_cfg) -> None:
+    """Raises naming the config key if this objective cannot run on `model_cfg` (before anything compiles)."""
+    layers = min(model_cfg.vision_layers, model_cfg.text_layers)
+    if self.needs_tokens and not -layers <= self.token_layer < layers:
+      raise ValueError(f"config.loss.token_layer={self.token_layer} is outside the towers' blocks (the model has "
+                       f"{model_cfg.vision_layers} vision and {model_cfg.text_layers} text blocks); use -1 for the "
+                       f"last block or an index in [-{layers}, {layers})")
+
+  def replace(self, **changes) -> "Objective":
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def needs_tokens(self) -> bool:
+    return self.token_weight > 0
+
+  @property
+  def term_names(self) -> tuple:
+    return ("hn", "tok") if self.needs_tokens else ("hn",)
+
+  @property
+  def model_kwargs(self) -> dict:
+    """Keyword arguments of `CLIP.__call__` that produce the outputs this objective reads."""
+    if not self.needs_tokens:
+      return {}
+    return {"token_layer": self.token_layer, "image_cls_token": self.token_image_cls}
+
+  def forward(self, model, images, tokens) -> dict:
+    """The model's outputs dict for a batch (images [B, H, W, 3], tokens [B, L])."""
+    return model(images, tokens, **self.model_kwargs)
+
+  def __call__(self, outputs: dict, mesh):
+    """outputs: the model's outputs dict, [B, ...] leaves sharded over the batch axes of `mesh`.
+
+    Returns (loss scalar, aux) with aux = {"terms": {"hn": L_HN, "tok": L_tok (when on)}, "per_example": [B] each
+    example's loss (½(i2t + t2i) of every term, weighted)}. Value and gradients equal the single-device ones.
+    """
+    axes = tuple(self.batch_axes)
+    batch = outputs["img"].shape[0]
+    specs = {k: P() if k in GLOBAL_OUTPUTS else P(axes) for k in outputs}
+
+    def local(out):
+      n = out["img"].shape[0]
+      offset = jax.lax.axis_index(axes) * n
+      gather = lambda x: jax.lax.all_gather(x, axes, axis=0, tiled=True)  # [n, ...] -> [B, ...]
+      scale = out["scale"]
+      img_all, txt_all = gather(out["img"]), gather(out["txt"])
+      i2t, t2i = self._global_rows(out["img"], out["txt"], img_all, txt_all, scale, offset)
+      terms = {"hn": jax.lax.psum(jnp.sum(i2t) + jnp.sum(t2i), axes) / (2 * batch)}
+      per = 0.5 * (i2t + t2i)
+      loss = terms["hn"]
+      if self.needs_tokens:
+        tok_scale = scale if self.token_logit_scale == 0 else jnp.asarray(self.token_logit_scale, jnp.float32)
+        margin = (self.gamma, out["txt"], txt_all) if self.token_margin and losses.has_margin(self.gamma) else None
+        ti2t, tt2i = losses.token_rows(
+            out["img_tokens"], out["txt_tokens"], out["txt_mask"], gather(out["img_tokens"]),
+            gather(out["txt_tokens"]), gather(out["txt_mask"]), tok_scale, offset,
+            block=self.chunk_size or losses.TOKEN_BLOCK, margin=margin)
+        terms["tok"] = jax.lax.psum(jnp.sum(ti2t) + jnp.sum(tt2i), axes) / (2 * batch)
+        per = per + self.token_weight * 0.5 * (ti2t + tt2i)
+        loss = loss + self.token_weight * terms["tok"]
+      return loss, {"terms": terms, "per_example": per}
+
+    out_specs = (P(), {"terms": {k: P() for k in self.term_names},
+                       "per_example": P(axes)})
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=out_specs)
+    return fn({k: (jnp.asarray(v, jnp.float32) if k in GLOBAL_OUTPUTS else v) for k, v in outputs.items()})
+
+  def _global_rows(self, img, txt, img_all, txt_all, scale, offset):
+    """L_HN's per-example (i2t [n], t2i [n]) for this device's rows, `chunk_size` rows at a time if set."""
+    n, chunk = img.shape[0], self.chunk_size
+    if not chunk or chunk >= n:
+      return losses.contrastive_rows(img, txt, img_all, txt_all, scale, self.gamma, offset)
+    if n % chunk:
+      raise ValueError(f"config.loss.chunk_size={chunk} must divide the per-device batch {n}")
+
+    @jax.checkpoint
+    def block(k, img_c, txt_c):
+      return losses.contrastive_rows(img_c, txt_c, img_all, txt_all, scale, self.gamma, offset + k * chunk)
+
+    split = lambda x: x.reshape(n // chunk, chunk, x.shape[-1])
+    _, (i2t, t2i) = jax.lax.scan(lambda c, xs: (c, block(*xs)), None, (jnp.arange(n // chunk), split(img), split(txt)))
+    return i2t.reshape(n), t2i.reshape(n)
+
+
+def embedding_outputs(img_emb, txt_emb, logit_scale) -> dict:
+  """An outputs dict from bare embeddings ([B, D] each, L2-normalised) and s: for losses of given embeddings."""
+  return {"img": img_emb, "txt": txt_emb, "scale": jnp.asarray(logit_scale, jnp.float32)}

@@ -1,0 +1,234 @@
+"""The objective (L_HN + λ·L_tok) against float64 NumPy, the model's outputs dict, precision, and the logit scale."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+from hnclip_jax import config as config_lib, losses, sharding, train_step
+from hnclip_jax.models import CLIPConfig, bind, init_params
+from hnclip_jax.models.clip import LOGIT_SCALE_PARAM_MAX
+from hnclip_jax.objective import Objective
+from test_losses import np_reference
+
+MESH = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES)
+
+
+def _unit(x):
+  return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def np_token_loss(it, tt, mask, s, margin=None):
+  """FILIP token term in float64: S^I[a,b] = mean_p max_{real q} <it[a,p], tt[b,q]>, S^T[a,b] = mean_{real q}
+  max_p <tt[a,q], it[b,p]>; ½[CE(s·S^I) + CE(s·S^T)] over rows with the diagonal as target. margin: [B, B] added
+  to both score matrices before scaling."""
+  it, tt = it.astype(np.float64), tt.astype(np.float64)
+  sim = np.einsum("ape,bqe->abpq", it, tt)  # image a's patches vs caption b's tokens
+  s_i = np.where(mask[None, :, None, :], sim, -np.inf).max(3).mean(2)
+  best = np.einsum("aqe,bpe->abqp", tt, it).max(3)  # caption a's tokens: best patch of image b
+  s_t = (best * mask[:, None, :]).sum(2) / mask.sum(1)[:, None]
+
+  def ce(m):
+    m = s * (m + (0 if margin is None else margin))
+    top = m.max(1, keepdims=True)
+    logp = m - top - np.log(np.exp(m - top).sum(1, keepdims=True))
+    return -np.mean(np.diag(logp))
+
+  return 0.5 * (ce(s_i) + ce(s_t))
+
+
+def _outputs(seed, b=6, p=5, l=7, e=4):
+  r = np.random.default_rng(seed)
+  lengths = r.integers(2, l + 1, b)
+  lengths[0], lengths[1] = 2, l  # the shortest and the longest caption are both present
+  return {"img": _unit(r.normal(size=(b, e))).astype(np.float32),
+          "txt": _unit(r.normal(size=(b, e))).astype(np.float32),
+          "img_tokens": _unit(r.normal(size=(b, p, e))).astype(np.float32),
+          "txt_tokens": _unit(r.normal(size=(b, l, e))).astype(np.float32),
+          "txt_mask": np.arange(l)[None] < lengths[:, None], "scale": np.float32(7.0)}
+
+
+def _numeric_grad(f, x, eps=1e-6):
+  g = np.zeros_like(x, np.float64)
+  for idx in np.ndindex(x.shape):
+    hi, lo = x.astype(np.float64).copy(), x.astype(np.float64).copy()
+    hi[idx] += eps
+    lo[idx] -= eps
+    g[idx] = (f(hi) - f(lo)) / (2 * eps)
+  return g
+
+
+def _value_and_grads(objective, out):
+  floats = {k: v for k, v in out.items() if k != "txt_mask"}
+  f = lambda fl: objective({**fl, "txt_mask": out["txt_mask"]}, MESH)[0]
+  return jax.jit(jax.value_and_grad(f))(floats)
+
+
+@pytest.mark.parametrize("weight", [0.0, 1.0])
+@pytest.mark.parametrize("chunk", [0, 2, 3])
+def test_objective_value_and_gradients_match_numpy(weight, chunk):
+  """Value and gradients w.r.t. every output (embeddings, token features, scale) equal float64 NumPy: L_HN's
+  analytic gradient (test_losses.np_reference) plus λ times the token term's central differences."""
+  out = _outputs(0)
+  s = float(out["scale"])
+  got, g = _value_and_grads(Objective(gamma=0.5, token_weight=weight, chunk_size=chunk), out)
+  it, tt, m = out["img_tokens"], out["txt_tokens"], out["txt_mask"]
+  hn, dv, dt = np_reference(out["img"], out["txt"], s, 0.5)
+  want = hn + weight * np_token_loss(it, tt, m, s)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  np.testing.assert_allclose(g["img"], dv, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(g["txt"], dt, rtol=1e-4, atol=1e-6)
+  d_it = weight * _numeric_grad(lambda x: np_token_loss(x, tt, m, s), it) if weight else 0 * it
+  d_tt = weight * _numeric_grad(lambda x: np_token_loss(it, x, m, s), tt) if weight else 0 * tt
+  np.testing.assert_allclose(g["img_tokens"], d_it, rtol=1e-3, atol=2e-6)
+  np.testing.assert_allclose(g["txt_tokens"], d_tt, rtol=1e-3, atol=2e-6)
+  if weight:  # padding gets exactly no gradient, real tokens do
+    assert np.all(np.asarray(g["txt_tokens"])[~m] == 0) and np.abs(np.asarray(g["txt_tokens"])[m]).max() > 1e-4
+  total = lambda sc: np_reference(out["img"], out["txt"], sc, 0.5)[0] + weight * np_token_loss(it, tt, m, sc)
+  np.testing.assert_allclose(g["scale"], (total(s + 1e-5) - total(s - 1e-5)) / 2e-5, rtol=1e-3)
+
+
+def test_token_term_options_match_numpy():
+  """token_margin adds γ·Ḡ (zero diagonal) to the token logits; token_logit_scale fixes their multiplier."""
+  out = _outputs(1)
+  s, it, tt, m = float(out["scale"]), out["img_tokens"], out["txt_tokens"], out["txt_mask"]
+  hn = np_reference(out["img"], out["txt"], s, 0.5)[0]
+  g = out["txt"].astype(np.float64) @ out["txt"].T.astype(np.float64)
+  np.fill_diagonal(g, 0.0)
+  got, _ = _value_and_grads(Objective(gamma=0.5, token_weight=1.0, token_margin=True), out)
+  np.testing.assert_allclose(got, hn + np_token_loss(it, tt, m, s, margin=0.5 * g), rtol=1e-5)
+  got, _ = _value_and_grads(Objective(gamma=0.5, token_weight=2.0, token_logit_scale=25.0), out)
+  np.testing.assert_allclose(got, hn + 2.0 * np_token_loss(it, tt, m, 25.0), rtol=1e-5)
+
+
+def test_token_weight_zero_is_exactly_the_hn_loss_and_asks_for_no_tokens():
+  out = _outputs(2)
+  obj = Objective(gamma=0.5, token_weight=0.0)
+  got, aux = obj({k: out[k] for k in ("img", "txt", "scale")}, MESH)
+  # Bit for bit the loss the train step used before the token term existed: psum of the rows' sums over 2B ...
+  i2t, t2i = losses.contrastive_rows(out["img"], out["txt"], out["img"], out["txt"], jnp.float32(7.0), 0.5, 0)
+  assert float(got) == float((jnp.sum(i2t) + jnp.sum(t2i)) / 12)
+  np.testing.assert_allclose(got, losses.hn_clip_loss(out["img"], out["txt"], out["scale"], 0.5), rtol=1e-6)
+  # ... and the L_HN part of the objective with the token term on.
+  _, aux_tok = Objective(gamma=0.5, token_weight=1.0)(out, MESH)
+  assert float(aux_tok["terms"]["hn"]) == float(got)
+  assert obj.model_kwargs == {} and set(aux["terms"]) == {"hn"}
+  with_tok = Objective(gamma=0.5, token_weight=1.0)
+  assert with_tok.model_kwargs == {"token_layer": -1, "image_cls_token": False}
+
+
+def test_one_device_never_holds_the_pairwise_token_tensor():
+  b, p, l, e = 64, 16, 12, 8
+  out = {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in
+         {"img": (b, e), "txt": (b, e), "img_tokens": (b, p, e), "txt_tokens": (b, l, e)}.items()}
+  f = lambda o, m: Objective(token_weight=1.0)({**o, "txt_mask": m, "scale": jnp.float32(10.0)}, MESH)[0]
+  hlo = jax.jit(jax.value_and_grad(f)).lower(out, jax.ShapeDtypeStruct((b, l), jnp.bool_)).compile().as_text()
+  sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"[fs]\d+\[([\d,]*)\]", hlo)]
+  assert max(sizes) <= losses.TOKEN_BLOCK ** 2 * p * l < b * b * p * l
+
+
+def _dots(lowered_text):
+  return [line for line in lowered_text.splitlines() if "stablehlo.dot_general" in line]
+
+
+def test_loss_dot_products_run_at_full_fp32_precision():
+  """Every dot product of the loss (S, Ḡ, token similarities, and their gradients) asks for HIGHEST precision on
+  fp32 features, so TPU's default bf16 passes / GPU's TF32 cannot round the margin; bf16 token features
+  (config.dtype=bfloat16) are multiplied in bf16 and accumulated into fp32."""
+  out = _outputs(3)
+  floats = {k: v for k, v in out.items() if k != "txt_mask"}
+  f = lambda fl: Objective(token_weight=1.0)({**fl, "txt_mask": out["txt_mask"]}, MESH)[0]
+  dots = _dots(jax.jit(jax.value_and_grad(f)).lower(floats).as_text())
+  assert len(dots) >= 10 and all("precision = [HIGHEST, HIGHEST]" in d for d in dots), dots
+  half = {**floats, **{k: floats[k].astype(jnp.bfloat16) for k in ("img_tokens", "txt_tokens")}}
+  dots = _dots(jax.jit(f).lower(half).as_text())
+  bf16 = [d for d in dots if "bf16>, tensor" in d]
+  assert len(bf16) == 2 and all(re.search(r"-> tensor<[\dx]+xf32>", d) for d in bf16), bf16
+  assert all("precision = [HIGHEST, HIGHEST]" in d for d in dots if d not in bf16)
+
+
+CFG = CLIPConfig(embed_dim=16, image_size=16, patch_size=8, vision_width=32, vision_layers=2, vision_heads=4,
+                 vision_mlp_dim=64, text_context=8, vocab_size=64, text_width=32, text_layers=2, text_heads=4,
+                 text_mlp_dim=64, eot_token_id=3)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  graphdef, params = init_params(CFG, 0)
+  r = np.random.default_rng(0)
+  lengths = np.array([2, 8, 5, 3])
+  tokens = np.where(np.arange(8)[None] < lengths[:, None] - 1, r.integers(4, 64, (4, 8)), 0)
+  tokens[:, 0], tokens[np.arange(4), lengths - 1] = 2, 3
+  return graphdef, params, r.normal(size=(4, 16, 16, 3)).astype(np.float32), tokens.astype(np.int32), lengths
+
+
+def test_model_outputs_dict(tiny):
+  graphdef, params, pixels, tokens, lengths = tiny
+  m = bind(graphdef, params)
+  plain = m(pixels, tokens)
+  assert set(plain) == {"img", "txt", "scale"}
+  out = m(pixels, tokens, token_layer=-1, image_cls_token=True)
+  np.testing.assert_array_equal(out["txt_mask"], np.arange(8)[None] < lengths[:, None])  # through the end token
+  assert out["img_tokens"].shape == (4, 1 + 4, 16) and out["txt_tokens"].shape == (4, 8, 16)
+  np.testing.assert_allclose(np.linalg.norm(out["txt_tokens"], axis=-1), 1.0, rtol=1e-5)
+  # Same final LayerNorm and projection as the pooled embeddings: CLS token = image embedding, end token = text's.
+  np.testing.assert_allclose(out["img_tokens"][:, 0], plain["img"], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(out["txt_tokens"])[np.arange(4), lengths - 1], plain["txt"], atol=1e-6)
+  np.testing.assert_allclose(plain["img"], m.encode_image(pixels), atol=1e-7)  # eval's embeddings: same path
+  assert m(pixels, tokens, token_layer=-1)["img_tokens"].shape == (4, 4, 16)  # patches only by default
+  early = m(pixels, tokens, token_layer=0)
+  assert np.abs(np.asarray(early["txt_tokens"]) - np.asarray(out["txt_tokens"])).max() > 1e-2
+  with pytest.raises(ValueError, match="config.loss.token_layer=2 is outside"):
+    Objective(token_weight=1.0, token_layer=2).check(CFG)
+
+
+def _step(graphdef, params, tx, **optimizer):
+  config = config_lib.base_config()
+  config.optimizer.update(optimizer)
+  state = train_step.init_state(jax.tree.map(lambda x: jnp.array(x, copy=True), params), tx)  # the step donates
+  sh = sharding.state_shardings(jax.eval_shape(lambda: state), "params", MESH,
+                                sharding.parse_rules(sharding.DEFAULT_RULES))
+  step = train_step.make_train_step(graphdef, tx, MESH, config, train_step.lr_schedule(config.optimizer, 10), sh)
+  return step, jax.device_put(state, sh)
+
+
+def test_logit_scale_moves_down_from_a_real_long_clip_value(tiny):
+  """Long-CLIP stores logit_scale = 4.6052 (s = 100.003, above the clamp). Its gradient must act: one AdamW step
+  whose gradient says 'lower s' (a random model is over-confident at s = 100) lowers it by about lr."""
+  graphdef, params, pixels, tokens, _ = tiny
+  params = dict(params, logit_scale=jnp.float32(4.6052))
+  config = config_lib.base_config()
+  config.optimizer.update(dict(lr=0.05, warmup_steps=0))
+  g = jax.grad(lambda p: Objective()(bind(graphdef, p)(pixels, tokens), MESH)[0])(params)["logit_scale"]
+  assert float(g) > 0  # the loss falls as s falls
+  step, state = _step(graphdef, params, train_step.make_optimizer(config.optimizer, 10), lr=0.05, warmup_steps=0)
+  state, metrics = step(state, {"image": pixels, "tokens": tokens})
+  assert float(metrics["logit_scale"]) == pytest.approx(np.exp(4.6052), rel=1e-6)  # reported before the update
+  assert float(state["params"]["logit_scale"]) < LOGIT_SCALE_PARAM_MAX - 0.03
+
+
+def test_logit_scale_never_exceeds_100_and_can_be_frozen(tiny):
+  graphdef, params, pixels, tokens, _ = tiny
+  params = dict(params, logit_scale=jnp.float32(4.5))
+  push_up = optax.stateless(lambda updates, _: jax.tree.map(lambda u: jnp.full_like(u, 0.5), updates))
+  step, state = _step(graphdef, params, push_up)
+  for _ in range(2):
+    state, _ = step(state, {"image": pixels, "tokens": tokens})
+  assert float(jnp.exp(state["params"]["logit_scale"])) <= 100.0 + 1e-4
+  assert float(state["params"]["logit_scale"]) == pytest.approx(LOGIT_SCALE_PARAM_MAX)
+  # Frozen: bit-identical after several steps, and no optimizer moments for it.
+  config = config_lib.base_config()
+  config.optimizer.update(dict(lr=0.05, warmup_steps=0, train_logit_scale=False))
+  tx = train_step.make_optimizer(config.optimizer, 10)
+  frozen = dict(params, logit_scale=jnp.float32(4.6052))
+  step, state = _step(graphdef, frozen, tx, lr=0.05, warmup_steps=0, train_logit_scale=False)
+  before_other = np.asarray(state["params"]["text_projection"]).copy()
+  for _ in range(3):
+    state, _ = step(state, {"image": pixels, "tokens": tokens})
+  assert np.asarray(state["params"]["logit_scale"]).tobytes() == np.float32(4.6052).tobytes()
+  assert not np.array_equal(np.asarray(state["params"]["text_projection"]), before_other)
+  moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim == 0 and x.dtype == jnp.float32]
+  assert moments == []  # AdamW's mu/nu of a scalar parameter would be fp32 scalars
