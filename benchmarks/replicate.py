@@ -57,6 +57,8 @@ def main():
   p.add_argument("--gammas", default="0,0.25,0.5,1.0")
   p.add_argument("--seeds", default="0,1,2")
   p.add_argument("--data_dir", default="")
+  p.add_argument("--token_weights", default="",
+                 help="comma-separated λ > 0: also fine-tune with the token term (γ 0 and 0.5, every seed)")
   a = p.parse_args()
   out = os.path.abspath(a.out)
   os.makedirs(out, exist_ok=True)
@@ -71,6 +73,9 @@ def main():
   ft_args = ["--config.optimizer.lr=2e-4", "--config.optimizer.warmup_steps=0", f"--config.total_steps={ft_steps}",
              f"--config.init_from={pre}", f"--config.diagnostics.every={2 if a.quick else 25}"]
   runs = {(g, s): os.path.join(out, f"ft_gamma{g}_seed{s}") for g in gammas for s in seeds}
+  token_weights = [float(x) for x in a.token_weights.split(",") if x]
+  tok_runs = {(lam, g, s): os.path.join(out, f"ft_tok{lam}_gamma{g}_seed{s}")
+              for lam in token_weights for g in (0.0, 0.5) for s in seeds}
   small = os.path.join(out, "ft_gamma0.5_20pct")
   if not a.report_only:
     if not os.path.exists(os.path.join(pre, "model.json")) or not rows(pre)[-1:] or \
@@ -79,6 +84,9 @@ def main():
           os.path.join(out, "pretrain.log"))
     for (g, s), w in runs.items():
       run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}"], w + ".log")
+    for (lam, g, s), w in tok_runs.items():
+      run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
+           f"--config.loss.token_weight={lam}"], w + ".log")
     run([*common, *ft_args, "--workdir", small, "--config.loss.gamma=0.5", "--config.seed=0",
          f"--config.data.num_train={num_train // 5}"], small + ".log")
 
@@ -90,6 +98,12 @@ def main():
     recs = [final_recall(runs[(g, s)]) for s in seeds]
     results["by_gamma"][str(g)] = {k: [float(np.mean([r[k] for r in recs])), float(np.std([r[k] for r in recs]))]
                                    for k in recs[0]}
+  results["token_term"] = {}
+  for lam in token_weights:
+    for g in (0.0, 0.5):
+      recs = [final_recall(tok_runs[(lam, g, s)]) for s in seeds]
+      results["token_term"][f"lambda{lam}_gamma{g}"] = {
+          k: [float(np.mean([r[k] for r in recs])), float(np.std([r[k] for r in recs]))] for k in recs[0]}
   for g in (0.0, 0.5):
     if (g, seeds[0]) not in runs:
       continue
@@ -120,6 +134,10 @@ def main():
   for g, r in results["by_gamma"].items():
     lines.append(f"| {g} | " + " | ".join(f"{r[f'{d}/R@{k}'][0]:.2f} ± {r[f'{d}/R@{k}'][1]:.2f}"
                                           for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
+  for name, r in results["token_term"].items():
+    lam, g = name.removeprefix("lambda").split("_gamma")
+    lines.append(f"| {g}, token term λ={lam} | " + " | ".join(f"{r[f'{d}/R@{k}'][0]:.2f} ± {r[f'{d}/R@{k}'][1]:.2f}"
+                                                              for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
   de = results["data_efficiency"]["gamma0.5_20pct"]
   lines.append("| 0.5, 20% data, seed 0 | " + " | ".join(f"{de[f'{d}/R@{k}']:.2f}" for d in ("t2i", "i2t")
                                                        for k in (1, 5, 10)) + " |")

@@ -69,6 +69,34 @@ def test_eval_restores_and_reports_recall(trained, tfds_dir):
   assert bad.returncode == 2 and "--step=5 has no checkpoint" in bad.stderr and "[3, 6]" in bad.stderr
 
 
+TOKEN_RUN = ["--config.loss.token_weight=1", "--config.total_steps=40", "--config.log_every=5",
+             "--config.checkpoint_every=20", "--config.eval_every=20"]
+
+
+def test_full_objective_with_token_term_trains_and_resumes(tmp_path, tfds_dir):
+  """λ = 1 (paper Eq. 3) on the built-in data: both terms are logged and fall, and a resume from the step-20
+  checkpoint reproduces the uninterrupted run's metrics."""
+  workdir = str(tmp_path / "tok")
+  args = ["train.py", "--config", CONFIG, f"--config.data.data_dir={tfds_dir}", *TOKEN_RUN]
+  run_py([*args, "--workdir", workdir])
+  rows = [r for r in _metrics(workdir) if "loss" in r]
+  assert [r["step"] for r in rows] == list(range(5, 41, 5))
+  first, last = rows[0], rows[-2:]
+  assert all(r["loss"] == pytest.approx(r["loss/hn"] + r["loss/tok"], rel=1e-5) for r in rows)
+  assert max(r["loss"] for r in last) < 0.9 * first["loss"]
+  assert max(r["loss/tok"] for r in last) < first["loss/tok"]
+  resumed = str(tmp_path / "resumed")
+  shutil.copytree(workdir, resumed)
+  shutil.rmtree(os.path.join(resumed, "checkpoints", "40"))
+  proc = run_py([*args, "--workdir", resumed])
+  assert "(step 20)" in proc.stdout and "token term weight 1.0" in proc.stdout
+  a, b = _metrics(workdir), _metrics(resumed)
+  assert [r["step"] for r in b] == [r["step"] for r in a]
+  for ra, rb in zip(a, b):
+    for k in ra:
+      assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k)
+
+
 @pytest.mark.parametrize("override,message", [
     ("--config.loss.gama=0", 'Did you mean "gamma"'),
     ("--config.batch_size=0", "config.batch_size=0 must be positive"),
