@@ -59,7 +59,8 @@ def base_config() -> ml_collections.ConfigDict:
   # token_weight: λ of the FILIP token term (paper Eq. 3; 0 = off). The token-term choices the paper leaves open
   #   (docs/objective.md says why each default): token_layer (which block's tokens; -1 = last, through the tower's
   #   final LayerNorm and projection), token_image_cls (CLS token among the patches), token_logit_scale (0 = the
-  #   model's learned s; > 0 = a fixed multiplier), token_margin (add γ·Ḡ to the token logits too).
+  #   model's learned s; > 0 = a fixed multiplier), token_margin (add γ·Ḡ to the token logits too). Which projection
+  #   the tokens go through is an architecture setting: config.model.token_projection ("shared" | "separate").
   c.loss = ml_collections.ConfigDict({"gamma": 0.5, "negatives": "global_batch", "chunk_size": 0,
                                       "token_weight": 0.0, "token_layer": -1, "token_image_cls": False,
                                       "token_logit_scale": 0.0, "token_margin": False})
@@ -120,7 +121,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ValueError(f"config.{key}={value!r} must be positive")
   # Compute settings are checked here too, so a typo fails before any data is built (the GPU check for
   # attention="cudnn" needs the backend and comes later, in experiment.runtime).
-  dataclasses.replace(PRESETS["tiny"], **{k: config[k] for k in RUNTIME_FIELDS}).validate()
+  dataclasses.replace(PRESETS["tiny"], token_projection=config.model.token_projection,
+                      **{k: config[k] for k in RUNTIME_FIELDS}).validate()
   if config.on_nonfinite not in ("error", "skip"):
     raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; choose 'error' or 'skip'")
   axes = [config.mesh[a] for a in ("data", "fsdp", "tensor")]

@@ -84,6 +84,7 @@ def resolve_model(config, workdir: str, *, training: bool):
     pre = pretrained.load(config.init_from)
     if config.model.text_context > pre.config.text_context:
       pre = pre.with_text_context(config.model.text_context)
+    pre = pre.with_token_projection(config.model.token_projection)
     if pre.tokenizer is None:
       raise FileNotFoundError(f"config.init_from={config.init_from} has no tokenizer files next to the weights "
                               "(vocab.json + merges.txt, tokenizer.json or bpe_simple_vocab_16e6.txt.gz)")

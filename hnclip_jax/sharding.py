@@ -30,7 +30,7 @@ LOGICAL_AXES = (
     (r"fc2/kernel$", ("mlp", "embed")),
     (r"patch_embed/kernel$", (None, None, None, "embed")),
     (r"(vision|text)_positions$", (None, "embed")),
-    (r"(visual|text)_projection$", ("embed", None)),
+    (r"(visual|text)_(token_)?projection$", ("embed", None)),
     (r"token_embedding/embedding$", ("vocab", "embed")),
     (r"(bias|scale|class_embedding|logit_scale)$", "replicated"),
 )

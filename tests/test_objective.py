@@ -185,6 +185,28 @@ def test_model_outputs_dict(tiny):
     Objective(token_weight=1.0, token_layer=2).check(CFG)
 
 
+def test_separate_token_projection_starts_equal_and_learns_on_its_own(tiny):
+  """config.model.token_projection="separate": the token features get their own projections, initialised as
+  copies (same features at the start); only the token term sends them gradient; a pretrained model gains them."""
+  import dataclasses
+  from hnclip_jax.pretrained import Pretrained
+  graphdef, params, pixels, tokens, _ = tiny
+  sep_cfg = dataclasses.replace(CFG, token_projection="separate")
+  sep_graphdef, sep_params = init_params(sep_cfg, 0)
+  a = bind(graphdef, params)(pixels, tokens, token_layer=-1)
+  b = bind(sep_graphdef, sep_params)(pixels, tokens, token_layer=-1)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+  grad = lambda obj: jax.grad(lambda p: obj(bind(sep_graphdef, p)(pixels, tokens, **obj.model_kwargs), MESH)[0])(
+      sep_params)
+  assert np.abs(grad(Objective(token_weight=1.0))["text_token_projection"]).max() > 0
+  assert np.abs(grad(Objective(token_weight=0.0))["text_token_projection"]).max() == 0
+  pre = Pretrained(CFG, params, None, "test").with_token_projection("separate")
+  np.testing.assert_array_equal(pre.params["visual_token_projection"], params["visual_projection"])
+  with pytest.raises(ValueError, match="would drop them"):
+    pre.with_token_projection("shared")
+
+
 def _step(graphdef, params, tx, **optimizer):
   config = config_lib.base_config()
   config.optimizer.update(optimizer)

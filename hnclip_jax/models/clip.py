@@ -42,6 +42,10 @@ class CLIPConfig:
   remat: str = "none"  # rematerialise each transformer block in the backward pass: "none" | "full" | "dots"
   # How attention is computed (see ATTENTION_IMPLS): "auto", "einsum", "xla" or "cudnn" (NVIDIA GPU, bf16).
   attention: str = "auto"
+  # Per-token features (for a token-level loss term) are projected into the joint space with the tower's own
+  # projection ("shared", no new parameters) or with a projection of their own ("separate": visual_token_projection
+  # and text_token_projection, initialised as copies of the towers' projections when starting from weights).
+  token_projection: str = "shared"
 
   @classmethod
   def from_dict(cls, d) -> "CLIPConfig":
@@ -72,12 +76,17 @@ class CLIPConfig:
     if self.attention == "cudnn" and self.dtype != "bfloat16":
       raise ValueError("config.attention='cudnn' needs config.dtype='bfloat16' (cuDNN's fused attention has no "
                        "fp32 kernel); use attention='auto' or 'xla' for fp32")
+    if self.token_projection not in TOKEN_PROJECTIONS:
+      raise ValueError(f"config.model.token_projection={self.token_projection!r}; choose one of {TOKEN_PROJECTIONS}")
     if self.act not in ACTIVATIONS:
       raise ValueError(f"config.model.act={self.act!r}; choose one of {sorted(ACTIVATIONS)}")
     if not 0 <= self.eot_token_id < self.vocab_size:
       raise ValueError(f"config.model.eot_token_id={self.eot_token_id} is outside the vocabulary "
                        f"(vocab_size={self.vocab_size})")
     return self
+
+
+TOKEN_PROJECTIONS = ("shared", "separate")
 
 
 def quick_gelu(x):
@@ -226,6 +235,9 @@ class CLIP(nnx.Module):
     self.ln_final = nnx.LayerNorm(tw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
     self.text_projection = nnx.Param(normal(tw ** -0.5)(rngs.params(), (tw, cfg.embed_dim)))
     self.logit_scale = nnx.Param(jnp.asarray(math.log(1 / 0.07), jnp.float32))
+    if cfg.token_projection == "separate":
+      self.visual_token_projection = nnx.Param(jnp.array(self.visual_projection[...]))
+      self.text_token_projection = nnx.Param(jnp.array(self.text_projection[...]))
 
   def image_tower(self, pixels, token_layer: int | None = None):
     """pixels [B, H, W, 3] -> (pooled [B, E], tokens [B, 1+P, E] or None), both projected and unnormalised.
@@ -243,7 +255,8 @@ class CLIP(nnx.Module):
       x = self.vision(self.ln_pre(x), causal=False)
       return self.ln_post(x[:, 0]) @ proj, None
     x, kept = self.vision(self.ln_pre(x), causal=False, keep=token_layer)
-    return self.ln_post(x[:, 0]) @ proj, self.ln_post(kept) @ proj
+    tok_proj = self.visual_token_projection[...].astype(dt) if self.cfg.token_projection == "separate" else proj
+    return self.ln_post(x[:, 0]) @ proj, self.ln_post(kept) @ tok_proj
 
   def text_tower(self, tokens, token_layer: int | None = None):
     """tokens [B, L] int -> (pooled [B, E] at the first end-of-text token, tokens [B, L, E] or None), projected and
@@ -258,7 +271,10 @@ class CLIP(nnx.Module):
       x, kept = self.text(x, causal=True, keep=token_layer)
     x = self.ln_final(x)
     pooled = jnp.take_along_axis(x, self.eot_positions(tokens)[:, None, None], axis=1)[:, 0]
-    return pooled @ proj, None if kept is None else self.ln_final(kept) @ proj
+    if kept is None:
+      return pooled @ proj, None
+    tok_proj = self.text_token_projection[...].astype(dt) if self.cfg.token_projection == "separate" else proj
+    return pooled @ proj, self.ln_final(kept) @ tok_proj
 
   def eot_positions(self, tokens):  # [B, L] int -> [B] first end-of-text position
     return jnp.argmax(tokens == self.cfg.eot_token_id, axis=1)

@@ -78,6 +78,18 @@ class Pretrained:
     tok = self.tokenizer.with_context(context) if self.tokenizer is not None else None
     return Pretrained(dataclasses.replace(self.config, text_context=context), params, tok, self.source)
 
+  def with_token_projection(self, kind: str) -> "Pretrained":
+    """The same model with config.model.token_projection = `kind`; "separate" starts the token projections as
+    copies of the towers' projections (so the token features are unchanged at the start)."""
+    if kind == self.config.token_projection:
+      return self
+    if kind != "separate":
+      raise ValueError(f"{self.source} has separate token projections; config.model.token_projection={kind!r} would "
+                       "drop them. Use config.model.token_projection='separate'")
+    params = dict(self.params, visual_token_projection=np.array(self.params["visual_projection"]),
+                  text_token_projection=np.array(self.params["text_projection"]))
+    return Pretrained(dataclasses.replace(self.config, token_projection=kind), params, self.tokenizer, self.source)
+
   def save(self, out_dir: str) -> None:
     """Writes an Orbax checkpoint of the parameters, model.json and the tokenizer: loadable without PyTorch."""
     import orbax.checkpoint as ocp
