@@ -103,3 +103,29 @@ def test_caption_geometry_report(replication, tmp_path, tfds_dir):
   assert sum(summary["batch_negative_share_by_similarity"].values()) == pytest.approx(1.0)
   for name in ("pairwise_similarity.png", "hardest_negative.png", "batch_G.png"):
     assert os.path.getsize(out / name) > 1000
+
+
+def test_telemetry_and_gradient_comparison_honour_accumulation():
+  """With grad_accum_steps = 2 (global-batch negatives) the telemetry and the gradient comparison run a
+  micro-batch at a time through the train step's own paths and give the un-accumulated numbers; the token term
+  is included in both objectives."""
+  from hnclip_jax import sharding
+  from hnclip_jax.models import CLIPConfig, init_params
+  cfg = CLIPConfig(embed_dim=16, image_size=16, patch_size=8, vision_width=32, vision_layers=1, vision_heads=4,
+                   vision_mlp_dim=64, text_context=8, vocab_size=64, text_width=32, text_layers=1, text_heads=4,
+                   text_mlp_dim=64, eot_token_id=3)
+  graphdef, params = init_params(cfg, 0)
+  r = np.random.default_rng(0)
+  tokens = np.concatenate([np.full((8, 1), 2), r.integers(4, 64, (8, 6)), np.full((8, 1), 3)], 1).astype(np.int32)
+  batch = {"image": r.normal(size=(8, 16, 16, 3)).astype(np.float32), "tokens": tokens}
+  psh = jax.tree.map(lambda _: sharding.replicated(MESH), params)
+  obj = Objective(gamma=0.5, token_weight=1.0)
+  got = {}
+  for accum in (1, 2):
+    d = diagnostics.make_batch_diagnostics(graphdef, MESH, obj, accum, "global_batch")(params, batch)
+    c = diagnostics.make_gradient_comparison(graphdef, MESH, obj, psh, accum, "global_batch")(params, batch)
+    got[accum] = {k: float(v) for k, v in {**d, **c}.items()}
+  assert got[1].keys() == got[2].keys() and "diag/grad_cosine" in got[1]
+  for k in got[1]:
+    assert got[2][k] == pytest.approx(got[1][k], rel=1e-5, abs=1e-7), k
+  assert got[1]["diag/hn/loss"] > got[1]["diag/infonce/loss"]  # γ = 0.5 vs 0 on the same outputs
