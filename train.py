@@ -32,8 +32,7 @@ def main(argv):
                           sharding, train_step)
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.metrics import MetricsWriter, Progress, log, quiet_libraries
-  from hnclip_jax.models import abstract_model, init_params
-  from hnclip_jax.objective import Objective
+  from hnclip_jax.models import init_params
 
   # ---- Config, mesh, checks (all before compiling anything) -----------------
   quiet_libraries()
@@ -57,22 +56,16 @@ def main(argv):
   train_source = builders.data_source(config.data, config.data.train_split)
   eval_source = builders.data_source(config.data, config.data.eval_split)
   model_cfg, tokenizer, init_from_params = experiment.resolve_model(config, workdir, training=True)
-  sharding.check_model_fits(model_cfg, mesh, rules)
-  objective = Objective.from_config(config.loss)
-  objective.check(model_cfg)
+  train_step.check_model(config, model_cfg, mesh, rules)
   log(experiment.truncation_report(config, tokenizer))
-  graphdef, abstract_params = abstract_model(model_cfg)
-  tx = train_step.make_optimizer(config.optimizer, config.total_steps)
-  schedule = train_step.lr_schedule(config.optimizer, config.total_steps)
-  abstract_state = jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract_params)
-  shardings = sharding.state_shardings(abstract_state, "params", mesh, rules)
+  program = train_step.build_program(config, model_cfg, mesh, rules)  # what tools/compile_for compiles, too
+  graphdef, tx, shardings, objective = program.graphdef, program.tx, program.shardings, program.objective
 
   # ---- State: newest intact checkpoint, else initial (created on its shardings) ----
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.max_to_keep,
                                  async_save=config.async_checkpointing)
-  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
   latest, state, _ = ckpt.restore_latest_intact(
-      target, check_meta=lambda meta, where: experiment.check_compatible(meta, model_cfg, where))
+      program.target(), check_meta=lambda meta, where: experiment.check_compatible(meta, model_cfg, where))
   if state is not None:
     log(f"resumed from {ckpt.directory}/{latest} (step {latest})")
   elif init_from_params is not None:  # fine-tuning start: given weights, fresh optimizer, step 0
@@ -85,7 +78,7 @@ def main(argv):
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   log(f"model: {n_params / 1e6:.2f}M parameters, {model_cfg}")
 
-  step_fn = train_step.make_train_step(graphdef, tx, mesh, config, schedule, shardings)
+  step_fn = program.step
   embed_fn = train_step.make_embed_fn(graphdef, mesh, shardings["params"])
   accum = (config.grad_accum_steps, config.loss.negatives)
   diag_fn = diagnostics.make_batch_diagnostics(graphdef, mesh, objective, *accum) if config.diagnostics.log else None

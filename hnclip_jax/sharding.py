@@ -13,7 +13,7 @@ import re
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the global batch is split over these
@@ -52,9 +52,11 @@ def mesh_shape(mesh_config, num_devices: int) -> tuple[int, int, int]:
 
 
 def make_mesh(mesh_config, devices=None) -> Mesh:
-  devices = jax.devices() if devices is None else devices
+  """The (data, fsdp, tensor) mesh of config.mesh over `devices` (default: all), in a topology-aware device order
+  (`jax.make_mesh`: on TPU, neighbouring chips along the inner axes), with Auto axis types."""
+  devices = jax.devices() if devices is None else list(devices)
   shape = mesh_shape(mesh_config, len(devices))
-  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def parse_rules(rules: str) -> dict:

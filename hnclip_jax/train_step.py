@@ -1,6 +1,8 @@
 """Optimizer and the jitted, sharded train step (with optional gradient accumulation)."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -241,3 +243,46 @@ def make_embed_fn(graphdef, mesh, param_shardings):
 
   return jax.jit(embed, in_shardings=(param_shardings, batch_sh, batch_sh),
                  out_shardings=(batch_sh, batch_sh), compiler_options=compiler_options(mesh))
+
+
+@dataclasses.dataclass
+class Program:
+  """Everything that defines the train step train.py runs (also compiled ahead of time by tools/compile_for)."""
+  graphdef: object
+  tx: optax.GradientTransformation
+  schedule: object
+  abstract_state: dict  # ShapeDtypeStructs of the train state
+  shardings: dict  # NamedShardings of the train state
+  step: object  # jitted step(state, batch) -> (state, metrics), state donated
+  objective: Objective
+
+  def target(self):
+    """The state as ShapeDtypeStructs carrying their shardings (restore / ahead-of-time compile target)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract_state,
+                        self.shardings)
+
+
+def check_model(config, model_cfg, mesh, rules) -> None:
+  """The mesh- and model-dependent checks of a run (before anything compiles); raise naming the config key."""
+  sharding.check_model_fits(model_cfg, mesh, rules)
+  Objective.from_config(config.loss).check(model_cfg)
+
+
+def build_program(config, model_cfg, mesh, rules) -> Program:
+  """The train step of `config` for architecture `model_cfg` on `mesh`: optimizer, state shardings, jitted step."""
+  from hnclip_jax.models import abstract_model
+  graphdef, abstract_params = abstract_model(model_cfg)
+  tx = make_optimizer(config.optimizer, config.total_steps)
+  schedule = lr_schedule(config.optimizer, config.total_steps)
+  abstract_state = jax.eval_shape(lambda p: init_state(p, tx), abstract_params)
+  shardings = sharding.state_shardings(abstract_state, "params", mesh, rules)
+  step = make_train_step(graphdef, tx, mesh, config, schedule, shardings)
+  return Program(graphdef, tx, schedule, abstract_state, shardings, step, Objective.from_config(config.loss))
+
+
+def abstract_batch(config, model_cfg, mesh) -> dict:
+  """The global batch the step takes, as ShapeDtypeStructs sharded over the batch axes."""
+  sh = sharding.batch_sharding(mesh)
+  b, s = config.batch_size, model_cfg.image_size
+  return {"image": jax.ShapeDtypeStruct((b, s, s, 3), jnp.float32, sharding=sh),
+          "tokens": jax.ShapeDtypeStruct((b, model_cfg.text_context), jnp.int32, sharding=sh)}
