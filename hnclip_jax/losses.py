@@ -73,52 +73,55 @@ def contrastive_rows(img_rows, txt_rows, img_all, txt_all, logit_scale, gamma, r
   return _cross_entropy(scale * (s_rows + margin), is_pos), _cross_entropy(scale * (s_cols + margin), is_pos)
 
 
-def token_scores(img_r, txt_r, mask_r, img_c, txt_c, mask_c):
-  """FILIP late-interaction scores of r row pairs against c column pairs.
+def token_scores(img_r, txt_c, mask_c):
+  """FILIP late-interaction scores of r images against c captions, both directions from one similarity tensor.
 
-  img_*: [*, P, E] per-patch features, txt_*: [*, L, E] per-token features (both L2-normalised per token),
-  mask_*: [*, L] bool, True on real text tokens.
+  img_r: [r, P, E] per-patch features, txt_c: [c, L, E] per-token features (both L2-normalised per token),
+  mask_c: [c, L] bool, True on real text tokens.
   Returns (i2t [r, c]: image a vs caption b = mean over a's patches of the max over b's real tokens,
-           t2i [r, c]: caption a vs image b = mean over a's real tokens of the max over b's patches), fp32.
+           t2i [r, c]: caption b vs image a = mean over b's real tokens of the max over a's patches), fp32.
   Lives as [r, c, P, L]: call it on blocks (see `token_rows`).
   """
   s = sims(img_r, txt_c, "ape,bqe->abpq")  # [r, c, P, L]
   i2t = jnp.mean(jnp.max(jnp.where(mask_c[None, :, None, :], s, _NEG), axis=3), axis=2)
-  best = jnp.max(sims(txt_r, img_c, "aqe,bpe->abqp"), axis=3)  # [r, c, L]
-  m = mask_r[:, None, :].astype(F32)
-  t2i = jnp.sum(best * m, axis=2) / jnp.maximum(jnp.sum(m, axis=2), 1.0)
+  m = mask_c[None].astype(F32)  # [1, c, L]
+  t2i = jnp.sum(jnp.max(s, axis=2) * m, axis=2) / jnp.maximum(jnp.sum(m, axis=2), 1.0)
   return i2t, t2i
 
 
-def token_rows(img_tok_rows, txt_tok_rows, mask_rows, img_tok_all, txt_tok_all, mask_all, logit_scale,
-               row_offset, block: int = TOKEN_BLOCK, margin=None):
+def token_rows(img_tok_rows, txt_tok_all, mask_all, logit_scale, row_offset, block: int = TOKEN_BLOCK, margin=None,
+               cols_to_rows=lambda x: x):
   """Per-example losses of the token term (paper Eq. 3, FILIP) for a block of rows of the global batch.
 
-  *_rows: this block's n pairs ([n, P, E], [n, L, E], [n, L]); *_all: the whole batch's ([B, ...]).
-  The [n, B] token-level score rows are built `block` rows × `block` columns at a time, each block
-  rematerialised in the backward pass, so at most [block, block, P, L] similarities are alive (never [n, B, P, L]).
+  img_tok_rows: [n, P, E] this block's images' patch features (rows `row_offset ..` of the batch);
+  txt_tok_all, mask_all: [B, L, E], [B, L] every caption's token features and real-token mask.
+  Each image–caption pair's similarities are computed once and give both directions: the rows of S^I (these
+  images against all captions) and the columns of S^T (all captions against these images, [B, n]);
+  `cols_to_rows` turns the latter into this block's rows of S^T (the captions `row_offset ..` against all images):
+  a transpose on one device, an all-to-all on a mesh. The [n, B] scores are built `block` rows × `block` columns
+  at a time, each block rematerialised in the backward pass, so at most [block, block, P, L] similarities are alive
+  (never [n, B, P, L]).
   margin: None, or (gamma, txt_emb_rows [n, D], txt_emb_all [B, D]) to add HN-CLIP's γ·Ḡ to the token logits.
   Returns (i2t [n], t2i [n]) fp32 cross-entropies of s·scores with the diagonal as target.
   """
-  n, batch = img_tok_rows.shape[0], img_tok_all.shape[0]
+  n, batch = img_tok_rows.shape[0], txt_tok_all.shape[0]
   rb, cb = divisor_at_most(n, block), divisor_at_most(batch, block)
   tile = lambda x, k: x.reshape(x.shape[0] // k, k, *x.shape[1:])
-  cols = (tile(img_tok_all, cb), tile(txt_tok_all, cb), tile(mask_all, cb))  # [B/cb, cb, ...]
+  cols = (tile(txt_tok_all, cb), tile(mask_all, cb))  # [B/cb, cb, ...]
   pair = jax.checkpoint(token_scores)
 
   @jax.checkpoint
-  def row_block(k, img_r, txt_r, mask_r, emb_r):
-    _, (i2t, t2i) = jax.lax.scan(lambda c, col: (c, pair(img_r, txt_r, mask_r, *col)), None, cols)
-    i2t, t2i = (x.transpose(1, 0, 2).reshape(rb, batch) for x in (i2t, t2i))  # [rb, B]
-    is_pos = _positives(rb, batch, row_offset + k * rb)
-    extra = 0.0 if margin is None else _margin(emb_r, margin[2], margin[0], is_pos)
-    scale = logit_scale.astype(F32)
-    return _cross_entropy(scale * (i2t + extra), is_pos), _cross_entropy(scale * (t2i + extra), is_pos)
+  def row_block(img_r):  # [rb, P, E] -> ([rb, B], [rb, B])
+    _, (i2t, t2i) = jax.lax.scan(lambda c, col: (c, pair(img_r, *col)), None, cols)
+    return tuple(x.transpose(1, 0, 2).reshape(rb, batch) for x in (i2t, t2i))
 
-  emb_rows = jnp.zeros((n, 1), F32) if margin is None else margin[1]
-  xs = (jnp.arange(n // rb), tile(img_tok_rows, rb), tile(txt_tok_rows, rb), tile(mask_rows, rb), tile(emb_rows, rb))
-  _, (i2t, t2i) = jax.lax.scan(lambda c, x: (c, row_block(*x)), None, xs)
-  return i2t.reshape(n), t2i.reshape(n)
+  _, (i2t, t2i_cols) = jax.lax.scan(lambda c, x: (c, row_block(x)), None, tile(img_tok_rows, rb))
+  i2t = i2t.reshape(n, batch)  # rows of S^I
+  t2i = cols_to_rows(t2i_cols.reshape(n, batch).T)  # [B, n] columns of S^T -> [n, B] rows of S^T
+  is_pos = _positives(n, batch, row_offset)
+  extra = 0.0 if margin is None else _margin(margin[1], margin[2], margin[0], is_pos)
+  scale = logit_scale.astype(F32)
+  return _cross_entropy(scale * (i2t + extra), is_pos), _cross_entropy(scale * (t2i + extra), is_pos)
 
 
 def hn_clip_loss(img_emb, txt_emb, logit_scale, gamma):
@@ -135,5 +138,5 @@ def clip_loss(img_emb, txt_emb, logit_scale):
 def token_loss(img_tok, txt_tok, txt_mask, logit_scale, block: int = TOKEN_BLOCK):
   """FILIP token term on one device. img_tok [B, P, E], txt_tok [B, L, E] per-token L2-normalised, txt_mask [B, L]
   bool. Returns the scalar ½[CE(s·S_tok^I, y) + CE(s·S_tok^T, y)] (see `token_scores`)."""
-  i2t, t2i = token_rows(img_tok, txt_tok, txt_mask, img_tok, txt_tok, txt_mask, jnp.asarray(logit_scale), 0, block)
+  i2t, t2i = token_rows(img_tok, txt_tok, txt_mask, jnp.asarray(logit_scale), 0, block)
   return 0.5 * (jnp.mean(i2t) + jnp.mean(t2i))

@@ -103,10 +103,11 @@ class Objective:
       if self.needs_tokens:
         tok_scale = scale if self.token_logit_scale == 0 else jnp.asarray(self.token_logit_scale, jnp.float32)
         margin = (self.gamma, out["txt"], txt_all) if self.token_margin and losses.has_margin(self.gamma) else None
+        # [B, n] columns of S^T (all captions vs this device's images) -> this device's [n, B] rows of it.
+        cols_to_rows = lambda x: jax.lax.all_to_all(x, axes, 0, 1, tiled=True)
         ti2t, tt2i = losses.token_rows(
-            out["img_tokens"], out["txt_tokens"], out["txt_mask"], gather(out["img_tokens"]),
-            gather(out["txt_tokens"]), gather(out["txt_mask"]), tok_scale, offset,
-            block=self.chunk_size or losses.TOKEN_BLOCK, margin=margin)
+            out["img_tokens"], gather(out["txt_tokens"]), gather(out["txt_mask"]), tok_scale, offset,
+            block=self.chunk_size or losses.TOKEN_BLOCK, margin=margin, cols_to_rows=cols_to_rows)
         terms["tok"] = jax.lax.psum(jnp.sum(ti2t) + jnp.sum(tt2i), axes) / (2 * batch)
         per = per + self.token_weight * 0.5 * (ti2t + tt2i)
         loss = loss + self.token_weight * terms["tok"]
