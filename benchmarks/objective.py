@@ -100,7 +100,7 @@ def token_memory():
                                     mesh)[0]
       mem = jax.jit(jax.value_and_grad(f)).lower(out, mask).compile().memory_analysis()
       row["temp_MB_hn" if not lam else "temp_MB_hn+tok"] = mem.temp_size_in_bytes / 1e6
-    row["gathered_tokens_MB"] = b * (patches + length) * e * 2 / 1e6  # the whole batch's bf16 tokens, per device
+    row["gathered_text_tokens_MB"] = b * length * e * 2 / 1e6  # the whole batch's bf16 text tokens, per device
     row["naive_nxBxPxL_GB"] = (b // n_dev) * b * patches * length * 4 / 1e9
     rows.append(row)
   print(f"objective value+grad temporaries per device, {n_dev} fake {jax.devices()[0].platform} devices, "
