@@ -1,0 +1,297 @@
+"""Compile the real train step for a TPU topology you do not have, and report whether (and how well) it fits.
+
+  python -m hnclip_jax.tools.compile_for --config configs/longclip_l.py:docci --topology v5p:2x4x4 \\
+      [--config.mesh.fsdp=8 --config.batch_size=1024 ...] [--json report.json]
+  python -m hnclip_jax.tools.compile_for --config ... --topology v5e:4x4 --sweep \\
+      [--layouts auto|16x1x1,4x4x1,...] [--grid batch_size=128,1024] [--grid remat=none,full] [--out rows.jsonl]
+
+Needs `libtpu` (`pip install "jax[tpu]==0.10.2"`, best in its own environment; see docs/sharding.md), not a TPU:
+`jax.experimental.topologies` gives the topology's devices and XLA's TPU compiler compiles for them on this host
+(JAX_PLATFORMS=cpu). The program is exactly the one train.py runs — `train_step.build_program` with the same
+shardings, donation, accumulation and objective — lowered on abstract inputs (nothing is allocated).
+
+Per chip it reports: argument / output / temporary bytes from the compiler's memory analysis and whether their
+sum fits the chip's HBM (`HBM_GIB`), XLA's FLOPs per step, the collectives of the optimised program (count and
+bytes of all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute, each weighted by the trip counts
+of the loops it sits in, i.e. per executed step), a roofline estimate of the step time (FLOPs at peak plus
+collective bytes at the ICI bandwidth, no overlap) and the compile time.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host; the TPU is only a compile target
+
+import copy  # noqa: E402
+import dataclasses  # noqa: E402
+import importlib.util  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from hnclip_jax.cli import clean_errors  # noqa: E402
+
+# Per chip, from the Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/v3, /v4, /v5e, /v5p, /v6e,
+# read 2026-11-30): HBM capacity in bytes (as each page states it: "32 GiB" for v3/v4, "16 GB" for v5e, "95 GiB"
+# for v5p, "32 GB" for v6e), peak bf16 FLOP/s, bidirectional ICI bandwidth in GB/s (the v3/v4 pages give none).
+# `devices_per_chip`: v3 exposes each of its 2 TensorCores as a JAX device (half the HBM each); v4 and v5p fuse
+# their two TensorCores into one device (megacore); v5e and v6e have one TensorCore.
+GIB, GB = 2 ** 30, 10 ** 9
+CHIPS = {
+    "v3": {"hbm_bytes": 32 * GIB, "peak_tflops": 123, "ici_gbps": None, "devices_per_chip": 2},
+    "v4": {"hbm_bytes": 32 * GIB, "peak_tflops": 275, "ici_gbps": None, "devices_per_chip": 1},
+    "v5e": {"hbm_bytes": 16 * GB, "peak_tflops": 197, "ici_gbps": 400, "devices_per_chip": 1},
+    "v5p": {"hbm_bytes": 95 * GIB, "peak_tflops": 459, "ici_gbps": 1200, "devices_per_chip": 1},
+    "v6e": {"hbm_bytes": 32 * GB, "peak_tflops": 918, "ici_gbps": 800, "devices_per_chip": 1},
+}
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+          "s64": 8, "u64": 8, "f64": 8, "c64": 8}
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Config file (as for train.py).", lock_config=True)
+flags.DEFINE_string("topology", None, "TPU topology, e.g. v5e:2x2, v5e:4x4, v5p:2x2x2, v4:2x2x1, v6e:4x4.")
+flags.DEFINE_string("json", "", "Write the report (or the sweep's rows) to this JSON file.")
+flags.DEFINE_bool("sweep", False, "Compile a grid of layouts and settings and print a table sorted by fit and cost.")
+flags.DEFINE_string("layouts", "auto", "Sweep: mesh layouts DATAxFSDPxTENSOR, comma-separated; 'auto': every "
+                    "split of the chips with tensor in {1, 2, 4}.")
+flags.DEFINE_multi_string("grid", [], "Sweep: KEY=V1,V2 over config keys (batch_size, remat, loss.chunk_size, "
+                          "loss.token_weight, grad_accum_steps, ...); repeat the flag for more keys.")
+flags.DEFINE_string("out", "", "Sweep: append each row to this JSON-lines file as soon as it is compiled.")
+flags.mark_flags_as_required(["config", "topology"])
+
+
+def chip_spec(topology: str) -> dict:
+  gen = topology.split(":", 1)[0].lower()
+  if gen not in CHIPS:
+    raise ValueError(f"--topology={topology}: unknown TPU generation {gen!r}; known: {sorted(CHIPS)}")
+  return {"generation": gen, **CHIPS[gen]}
+
+
+def topology_devices(topology: str):
+  """The TPU devices of `topology` (e.g. 'v5e:2x2'), from libtpu, without a TPU."""
+  if importlib.util.find_spec("libtpu") is None:
+    raise FileNotFoundError("libtpu is not installed, so there is no TPU compiler: pip install \"jax[tpu]==0.10.2\" "
+                            "(ideally in a separate virtual environment; see docs/sharding.md)")
+  from jax.experimental import topologies
+  try:
+    return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+  except Exception as e:  # libtpu's message names what it could not parse
+    raise ValueError(f"--topology={topology}: libtpu cannot build this topology ({e}); use e.g. v5e:2x2, v5p:2x2x2")
+
+
+def _shape_bytes(type_str: str) -> int:
+  """Bytes of the largest array in an HLO result type ('bf16[8,128]{...}' or a tuple of them)."""
+  sizes = [_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+           for dt, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", type_str)]
+  return max(sizes, default=0)
+
+
+def collective_stats(hlo: str) -> dict:
+  """{kind: {"count", "bytes"}} of the collectives in optimised HLO text, per executed step: an op inside a loop
+  body counts once per iteration (XLA's known_trip_count), nested loops multiply."""
+  comps, current, entry = {}, None, None
+  for line in hlo.splitlines():
+    head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+    if head and not line.startswith(" "):
+      current = head.group(2)
+      comps[current] = []
+      if head.group(1):
+        entry = current
+    elif current is not None and line.strip() and line.strip() != "}":
+      comps[current].append(line)
+  calls = {name: [] for name in comps}  # callee -> [(caller, factor)]
+  for name, lines in comps.items():
+    for line in lines:
+      trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+      body = re.search(r"\bbody=%?([\w.\-]+)", line)
+      for callee in re.findall(r"(?:calls|to_apply|condition|body|branch_computations)=\{?%?([\w.\-]+)", line):
+        if callee in calls:
+          calls[callee].append((name, int(trip.group(1)) if trip and body and callee == body.group(1) else 1))
+      for callee in re.findall(r"branch_computations=\{([^}]*)\}", line):
+        for c in re.findall(r"%?([\w.\-]+)", callee):
+          if c in calls:
+            calls[c].append((name, 1))
+
+  memo = {}
+
+  def times(name, seen=()):
+    if name == entry:
+      return 1
+    if name in memo:
+      return memo[name]
+    memo[name] = sum(times(caller, seen + (name,)) * f for caller, f in calls.get(name, []) if caller not in seen)
+    return memo[name]
+
+  stats = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
+  pattern = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+  for name, lines in comps.items():
+    n = times(name)
+    if not n:
+      continue
+    for line in lines:
+      m = pattern.search(line)
+      if m:
+        stats[m.group(2)]["count"] += n
+        stats[m.group(2)]["bytes"] += n * _shape_bytes(m.group(1))
+  return stats
+
+
+def compile_report(config, topology: str, devices=None, return_compiled: bool = False):
+  """Compiles train.py's step of `config` for `topology`; returns the per-chip report (see the module doc), and the
+  compiled executable too with `return_compiled`."""
+  import jax
+  from hnclip_jax import config as config_lib, experiment, sharding, train_step
+  config = config_lib.validate(config)
+  devices = topology_devices(topology) if devices is None else devices
+  chip = chip_spec(topology)
+  mesh = sharding.make_mesh(config.mesh, devices)
+  rules = sharding.parse_rules(config.mesh.rules)
+  sharding.check_batch_size(config.batch_size, mesh)
+  train_step.check_accumulation(config, mesh)
+  model_cfg = model_for(config)
+  train_step.check_model(config, model_cfg, mesh, rules)
+  program = train_step.build_program(config, model_cfg, mesh, rules)
+  t0 = time.perf_counter()
+  compiled = program.step.lower(program.target(), train_step.abstract_batch(config, model_cfg, mesh)).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  flops = float(cost.get("flops", float("nan")))
+  coll = collective_stats(compiled.as_text())
+  arg, out, alias, temp = (int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp"))
+  hbm = chip["hbm_bytes"] / chip["devices_per_chip"]
+  total = arg + out - alias + temp
+  coll_bytes = sum(v["bytes"] for v in coll.values())
+  peak = chip["peak_tflops"] * 1e12 / chip["devices_per_chip"]
+  est = flops / peak + (coll_bytes / (chip["ici_gbps"] * 1e9 / 2) if chip["ici_gbps"] else 0.0)
+  report = {"topology": topology, "devices": len(devices), "device_kind": devices[0].device_kind,
+            "mesh": dict(mesh.shape), "batch_size": config.batch_size, "grad_accum_steps": config.grad_accum_steps,
+            "dtype": config.dtype, "remat": config.remat, "chunk_size": config.loss.chunk_size,
+            "token_weight": config.loss.token_weight, "model": dataclasses.asdict(model_cfg),
+            "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
+            "total_bytes": total, "hbm_bytes": int(hbm), "fits": total <= hbm, "flops_per_chip": flops,
+            "collectives": coll, "collective_bytes": coll_bytes, "est_step_s": est, "compile_s": compile_s,
+            "jax": jax.__version__}
+  return (report, compiled) if return_compiled else report
+
+
+def model_for(config):
+  """The architecture the run would train: config.init_from's (read from the weights) or config.model (a vocabulary
+  size 0 / end token -1 means the CLIP BPE tokenizer's 49,408 / 49,407, since there is no data to fit one on)."""
+  from hnclip_jax import experiment
+  from hnclip_jax.models import CLIPConfig
+  if config.init_from:
+    from hnclip_jax import pretrained
+    pre = pretrained.load(config.init_from)
+    if config.model.text_context > pre.config.text_context:
+      pre = pre.with_text_context(config.model.text_context)
+    return experiment.runtime(dataclasses.replace(pre.config, token_projection=config.model.token_projection), config)
+  d = dict(config.model)
+  d["vocab_size"] = d["vocab_size"] or 49408
+  d["eot_token_id"] = d["eot_token_id"] if d["eot_token_id"] >= 0 else d["vocab_size"] - 1
+  return experiment.runtime(CLIPConfig.from_dict(d), config)
+
+
+def _gb(x):
+  return f"{x / 1e9:.2f}"
+
+
+def print_report(r: dict) -> None:
+  m = r["mesh"]
+  print(f"{r['topology']} ({r['devices']} × {r['device_kind']}), mesh data={m['data']} fsdp={m['fsdp']} "
+        f"tensor={m['tensor']}, global batch {r['batch_size']} ({r['grad_accum_steps']} micro-batches), "
+        f"{r['dtype']}, remat={r['remat']}, token_weight={r['token_weight']}; compiled in {r['compile_s']:.1f} s")
+  print(f"per chip: arguments {_gb(r['argument_bytes'])} GB, outputs {_gb(r['output_bytes'])} GB (aliased "
+        f"{_gb(r['alias_bytes'])} GB), temporaries {_gb(r['temp_bytes'])} GB -> {_gb(r['total_bytes'])} GB of "
+        f"{_gb(r['hbm_bytes'])} GB HBM: {'fits' if r['fits'] else 'DOES NOT FIT'}")
+  print(f"XLA FLOPs per chip per step: {r['flops_per_chip'] / 1e12:.3f} TFLOP; roofline step estimate "
+        f"{r['est_step_s'] * 1e3:.1f} ms")
+  used = [f"{k} ×{v['count']} ({_gb(v['bytes'])} GB)" for k, v in r["collectives"].items() if v["count"]]
+  print("collectives per step: " + (", ".join(used) or "none"))
+
+
+def auto_layouts(n: int) -> list:
+  out = []
+  for tensor in (1, 2, 4):
+    for fsdp in (f for f in range(1, n + 1) if n % (f * tensor) == 0):
+      if n % (fsdp * tensor) == 0:
+        out.append((n // (fsdp * tensor), fsdp, tensor))
+  return out
+
+
+def _typed(value: str, current):
+  if isinstance(current, bool):
+    return value.lower() in ("1", "true", "yes")
+  return type(current)(value) if current is not None else value
+
+
+def sweep(config, topology: str) -> list:
+  devices = topology_devices(topology)
+  n = len(devices)
+  layouts = (auto_layouts(n) if FLAGS.layouts == "auto" else
+             [tuple(int(x) for x in item.split("x")) for item in FLAGS.layouts.split(",")])
+  grid = []
+  for item in FLAGS.grid:
+    key, values = item.split("=", 1)
+    grid.append((key, values.split(",")))
+  rows = []
+  for layout, combo in itertools.product(layouts, itertools.product(*[v for _, v in grid])):
+    c = copy.deepcopy(config)
+    c.unlock()
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = layout
+    for (key, _), value in zip(grid, combo):
+      node, leaf = c, key
+      while "." in leaf:
+        head, leaf = leaf.split(".", 1)
+        node = node[head]
+      node[leaf] = _typed(value, node[leaf])
+    label = {"layout": "x".join(map(str, layout)), **{k: v for (k, _), v in zip(grid, combo)}}
+    try:
+      r = compile_report(c, topology, devices)
+      row = {**label, "fits": r["fits"], "total_GB": r["total_bytes"] / 1e9, "temp_GB": r["temp_bytes"] / 1e9,
+             "TFLOP": r["flops_per_chip"] / 1e12, "collective_GB": r["collective_bytes"] / 1e9,
+             "est_step_ms": r["est_step_s"] * 1e3, "compile_s": r["compile_s"]}
+    except (ValueError, FileNotFoundError) as e:  # a layout this model or batch cannot use
+      row = {**label, "fits": False, "error": str(e)[:160]}
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    if FLAGS.out:
+      with open(FLAGS.out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+  rows.sort(key=lambda r: (not r["fits"], r.get("est_step_ms", float("inf"))))
+  cols = [k for k in rows[0] if k != "error"] if rows else []
+  print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+  for r in rows:
+    print("| " + " | ".join(f"{r[k]:.3g}" if isinstance(r.get(k), float) else str(r.get(k, r.get("error", "")))
+                            for k in cols) + " |")
+  return rows
+
+
+@clean_errors
+def main(argv):
+  del argv
+  from hnclip_jax import config as config_lib, experiment
+  from hnclip_jax.metrics import quiet_libraries
+  quiet_libraries()
+  config = config_lib.validate(FLAGS.config)
+  chip_spec(FLAGS.topology)
+  experiment.enable_compilation_cache(config.compilation_cache_dir)
+  if FLAGS.sweep:
+    result = sweep(config, FLAGS.topology)
+  else:
+    result = compile_report(config, FLAGS.topology)
+    print_report(result)
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+  app.run(main)

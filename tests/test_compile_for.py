@@ -1,0 +1,130 @@
+"""tools/compile_for: train.py's step compiled for a TPU topology on this CPU host (libtpu, no TPU)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_py
+from hnclip_jax.tools import compile_for
+
+# libtpu (the TPU compiler; the version jax[tpu]==0.10.2 pins) is installed here with pip --target on first use,
+# outside the test environment: a libtpu next to a CPU-only jax makes every process print TPU initialisation
+# errors, so only the compile subprocess sees it.
+LIBTPU_DIR = os.environ.get("HNCLIP_LIBTPU_DIR", os.path.expanduser("~/.cache/hnclip_jax/libtpu"))
+LIBTPU = "libtpu==0.0.42.1"
+
+
+def libtpu_path():
+  """A PYTHONPATH entry holding libtpu ("" if it is importable already), installing it if needed; None if it
+  cannot be installed."""
+  if importlib.util.find_spec("libtpu") is not None:
+    return ""
+  if not os.path.isdir(os.path.join(LIBTPU_DIR, "libtpu")):
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", LIBTPU_DIR, LIBTPU],
+                          capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+      return None
+  return LIBTPU_DIR
+
+HLO = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%inner (q: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+  %q = (s32[], f32[8,4]) parameter(0)
+  %rs = bf16[2,4]{1,0} reduce-scatter(bf16[8,4]{1,0} %z), channel_id=3, dimensions={0}, to_apply=%add
+  ROOT %t2 = (s32[], f32[8,4]) tuple(%i, %x)
+}
+
+%body (p: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+  %p = (s32[], f32[8,4]) parameter(0)
+  %ag = f32[32,4]{1,0} all-gather(f32[8,4]{1,0} %x), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  %w2 = (s32[], f32[8,4]) while((s32[], f32[8,4]) %p), condition=%cond, body=%inner, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %t = (s32[], f32[8,4]) tuple(%i, %x)
+}
+
+%cond (c: (s32[], f32[8,4])) -> pred[] {
+  %c = (s32[], f32[8,4]) parameter(0)
+  ROOT %lt = pred[] compare(s32[] %i, s32[] %n), direction=LT
+}
+
+ENTRY %main (a: f32[8,4]) -> f32[16] {
+  %w = (s32[], f32[8,4]) while((s32[], f32[8,4]) %t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"8"}}
+  %ar = (f32[16]{0}, f32[16]{0}) all-reduce-start(f32[16]{0} %y), channel_id=2, to_apply=%add
+  %ard = f32[16]{0} all-reduce-done((f32[16]{0}, f32[16]{0}) %ar)
+  ROOT %r = f32[16]{0} copy(%ard)
+}
+"""
+
+
+def test_collectives_are_counted_per_executed_step():
+  """Loop bodies count once per iteration (nested loops multiply); async start/done pairs count once; bytes are
+  the collective's output."""
+  s = compile_for.collective_stats(HLO)
+  assert s["all-gather"] == {"count": 8, "bytes": 8 * 32 * 4 * 4}
+  assert s["reduce-scatter"] == {"count": 24, "bytes": 24 * 2 * 4 * 2}
+  assert s["all-reduce"] == {"count": 1, "bytes": 16 * 4}
+  assert s["all-to-all"]["count"] == 0 and s["collective-permute"]["count"] == 0
+
+
+def test_layouts_and_chip_table():
+  assert compile_for.auto_layouts(4) == [(4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)]
+  assert compile_for.chip_spec("v5e:2x2")["hbm_bytes"] == 16 * 10 ** 9
+  with pytest.raises(ValueError, match="unknown TPU generation 'v9x'"):
+    compile_for.chip_spec("v9x:2x2")
+
+
+def test_clear_errors_without_a_tpu_compiler(tmp_path):
+  proc = run_py(["-m", "hnclip_jax.tools.compile_for", "--config", "configs/demo.py:test", "--topology", "v9x:2x2"],
+                check=False)
+  assert proc.returncode == 2 and "unknown TPU generation 'v9x'" in proc.stderr, proc.stderr[-2000:]
+  if importlib.util.find_spec("libtpu") is None:  # the usual test environment: libtpu is not importable here
+    proc = run_py(["-m", "hnclip_jax.tools.compile_for", "--config", "configs/demo.py:test", "--topology",
+                   "v5e:2x2"], check=False)
+    assert proc.returncode == 2 and 'libtpu is not installed' in proc.stderr and "jax[tpu]==0.10.2" in proc.stderr
+
+
+SCRIPT = r"""
+import json, sys
+from hnclip_jax.tools import compile_for
+from configs.demo import get_config
+c = get_config("test")
+c.dtype, c.mesh.data, c.mesh.fsdp, c.loss.token_weight = "bfloat16", 1, 4, 1.0
+c.model.vocab_size, c.model.eot_token_id = 128, 3
+r, compiled = compile_for.compile_report(c, "v5e:2x2", return_compiled=True)
+compile_for.print_report(r)
+m = compiled.memory_analysis()
+cost = compiled.cost_analysis()
+cost = cost[0] if isinstance(cost, list) else cost
+text = compiled.as_text()
+print("RESULT " + json.dumps({"report": r, "memory": {k: getattr(m, k + "_size_in_bytes") for k in
+      ("argument", "output", "alias", "temp")}, "flops": cost["flops"],
+      "static_all_gathers": text.count(" all-gather(") + text.count(" all-gather-start(")}))
+"""
+
+
+def test_tiny_model_compiles_for_v5e_2x2_and_the_report_is_the_compilers():
+  path = libtpu_path()
+  if path is None:
+    pytest.skip(f"{LIBTPU} could not be installed into {LIBTPU_DIR} (pip failed): the TPU compile is not tested")
+  proc = run_py(["-c", SCRIPT], env_extra={"PYTHONPATH": os.pathsep.join(filter(None, [path, ROOT]))},
+                timeout=900)
+  res = json.loads(proc.stdout.split("RESULT ", 1)[1])
+  r, mem = res["report"], res["memory"]
+  assert r["device_kind"].startswith("TPU v5") and r["devices"] == 4 and r["mesh"] == {"data": 1, "fsdp": 4,
+                                                                                       "tensor": 1}
+  assert (r["argument_bytes"], r["output_bytes"], r["alias_bytes"], r["temp_bytes"]) == (
+      mem["argument"], mem["output"], mem["alias"], mem["temp"])
+  assert r["total_bytes"] == mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] > 0
+  assert r["fits"] and r["hbm_bytes"] == 16 * 10 ** 9 and r["flops_per_chip"] == res["flops"] > 0
+  # FSDP over 4 chips gathers the weights: at least the program's static all-gathers, with their bytes.
+  assert r["collectives"]["all-gather"]["count"] >= res["static_all_gathers"] > 0
+  assert r["collectives"]["all-gather"]["bytes"] > 0 and r["token_weight"] == 1.0
+  assert "fits" in proc.stdout and "collectives per step" in proc.stdout
