@@ -5,7 +5,8 @@
   python -m hnclip_jax.tools.compile_for --config ... --topology v5e:4x4 --sweep \\
       [--layouts auto|16x1x1,4x4x1,...] [--grid batch_size=128,1024] [--grid remat=none,full] [--out rows.jsonl]
 
-Needs `libtpu` (`pip install "jax[tpu]==0.10.2"`, best in its own environment; see docs/sharding.md), not a TPU:
+Needs `libtpu`, not a TPU: `pip install --target ~/.cache/hnclip_jax/libtpu libtpu==0.0.42.1` (the version
+jax[tpu]==0.10.2 pins) and PYTHONPATH=~/.cache/hnclip_jax/libtpu for this command (README):
 `jax.experimental.topologies` gives the topology's devices and XLA's TPU compiler compiles for them on this host
 (JAX_PLATFORMS=cpu). The program is exactly the one train.py runs — `train_step.build_program` with the same
 shardings, donation, accumulation and objective — lowered on abstract inputs (nothing is allocated).
@@ -76,8 +77,9 @@ def chip_spec(topology: str) -> dict:
 def topology_devices(topology: str):
   """The TPU devices of `topology` (e.g. 'v5e:2x2'), from libtpu, without a TPU."""
   if importlib.util.find_spec("libtpu") is None:
-    raise FileNotFoundError("libtpu is not installed, so there is no TPU compiler: pip install \"jax[tpu]==0.10.2\" "
-                            "(ideally in a separate virtual environment; see docs/sharding.md)")
+    raise FileNotFoundError("libtpu is not installed, so there is no TPU compiler: pip install --target "
+                            "~/.cache/hnclip_jax/libtpu libtpu==0.0.42.1 (the version jax[tpu]==0.10.2 pins) and rerun "
+                            "with PYTHONPATH=~/.cache/hnclip_jax/libtpu")
   from jax.experimental import topologies
   try:
     return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
