@@ -57,8 +57,10 @@ HLO = """HloModule m
 
 ENTRY %main (a: f32[8,4]) -> f32[16] {
   %w = (s32[], f32[8,4]) while((s32[], f32[8,4]) %t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"8"}}
-  %ar = (f32[16]{0}, f32[16]{0}) all-reduce-start(f32[16]{0} %y), channel_id=2, to_apply=%add
-  %ard = f32[16]{0} all-reduce-done((f32[16]{0}, f32[16]{0}) %ar)
+  %ar = (f32[16]{0}, f32[4]{0}) all-reduce-start(f32[16]{0} %y, f32[4]{0} %v), channel_id=2, to_apply=%add
+  %ard = (f32[16]{0}, f32[4]{0}) all-reduce-done((f32[16]{0}, f32[4]{0}) %ar)
+  %ags = (bf16[4,8]{1,0}, bf16[16,8]{1,0}) all-gather-start(bf16[4,8]{1,0} %u), channel_id=4, dimensions={0}
+  %agd = bf16[16,8]{1,0} all-gather-done((bf16[4,8]{1,0}, bf16[16,8]{1,0}) %ags)
   ROOT %r = f32[16]{0} copy(%ard)
 }
 """
@@ -66,11 +68,11 @@ ENTRY %main (a: f32[8,4]) -> f32[16] {
 
 def test_collectives_are_counted_per_executed_step():
   """Loop bodies count once per iteration (nested loops multiply); async start/done pairs count once; bytes are
-  the collective's output."""
+  the collective's outputs (all of a combined collective's; an async all-gather's result minus its input)."""
   s = compile_for.collective_stats(HLO)
-  assert s["all-gather"] == {"count": 8, "bytes": 8 * 32 * 4 * 4}
+  assert s["all-gather"] == {"count": 8 + 1, "bytes": 8 * 32 * 4 * 4 + 16 * 8 * 2}
   assert s["reduce-scatter"] == {"count": 24, "bytes": 24 * 2 * 4 * 2}
-  assert s["all-reduce"] == {"count": 1, "bytes": 16 * 4}
+  assert s["all-reduce"] == {"count": 1, "bytes": (16 + 4) * 4}
   assert s["all-to-all"]["count"] == 0 and s["collective-permute"]["count"] == 0
 
 

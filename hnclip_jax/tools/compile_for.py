@@ -87,11 +87,10 @@ def topology_devices(topology: str):
     raise ValueError(f"--topology={topology}: libtpu cannot build this topology ({e}); use e.g. v5e:2x2, v5p:2x2x2")
 
 
-def _shape_bytes(type_str: str) -> int:
-  """Bytes of the largest array in an HLO result type ('bf16[8,128]{...}' or a tuple of them)."""
-  sizes = [_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
-           for dt, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", type_str)]
-  return max(sizes, default=0)
+def _array_bytes(type_str: str) -> int:
+  """Total bytes of the arrays in an HLO type string ('bf16[8,128]{1,0}', a tuple of them, or operand lists)."""
+  return sum(_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+             for dt, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", type_str))
 
 
 def collective_stats(hlo: str) -> dict:
@@ -131,16 +130,21 @@ def collective_stats(hlo: str) -> dict:
     return memo[name]
 
   stats = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
-  pattern = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+  pattern = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$")
   for name, lines in comps.items():
     n = times(name)
     if not n:
       continue
     for line in lines:
       m = pattern.search(line)
-      if m:
-        stats[m.group(2)]["count"] += n
-        stats[m.group(2)]["bytes"] += n * _shape_bytes(m.group(1))
+      if not m:
+        continue
+      kind, start = m.group(2), bool(m.group(3))
+      out = _array_bytes(m.group(1))  # combined collectives return a tuple: every array counts
+      if start and kind in ("all-gather", "collective-permute"):  # their async result also holds the inputs
+        out -= _array_bytes(m.group(4).split("),", 1)[0].split("), ", 1)[0])
+      stats[kind]["count"] += n
+      stats[kind]["bytes"] += n * max(out, 0)
   return stats
 
 
@@ -202,7 +206,7 @@ def model_for(config):
 
 
 def _gb(x):
-  return f"{x / 1e9:.2f}"
+  return f"{x / 1e9:.3f}"
 
 
 def print_report(r: dict) -> None:
