@@ -40,15 +40,15 @@ from hnclip_jax.cli import clean_errors  # noqa: E402
 # Per chip, from the Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/v3, /v4, /v5e, /v5p, /v6e,
 # read 2026-11-30): HBM capacity in bytes (as each page states it: "32 GiB" for v3/v4, "16 GB" for v5e, "95 GiB"
 # for v5p, "32 GB" for v6e), peak bf16 FLOP/s, bidirectional ICI bandwidth in GB/s (the v3/v4 pages give none).
-# `devices_per_chip`: v3 exposes each of its 2 TensorCores as a JAX device (half the HBM each); v4 and v5p fuse
-# their two TensorCores into one device (megacore); v5e and v6e have one TensorCore.
+# A chip's HBM and FLOP/s are split evenly over the JAX devices the topology gives per chip (libtpu's topology
+# for v4:2x2x2 has 16 devices on 8 chips; v5e, v5p and v6e have one device per chip).
 GIB, GB = 2 ** 30, 10 ** 9
 CHIPS = {
-    "v3": {"hbm_bytes": 32 * GIB, "peak_tflops": 123, "ici_gbps": None, "devices_per_chip": 2},
-    "v4": {"hbm_bytes": 32 * GIB, "peak_tflops": 275, "ici_gbps": None, "devices_per_chip": 1},
-    "v5e": {"hbm_bytes": 16 * GB, "peak_tflops": 197, "ici_gbps": 400, "devices_per_chip": 1},
-    "v5p": {"hbm_bytes": 95 * GIB, "peak_tflops": 459, "ici_gbps": 1200, "devices_per_chip": 1},
-    "v6e": {"hbm_bytes": 32 * GB, "peak_tflops": 918, "ici_gbps": 800, "devices_per_chip": 1},
+    "v3": {"hbm_bytes": 32 * GIB, "peak_tflops": 123, "ici_gbps": None},
+    "v4": {"hbm_bytes": 32 * GIB, "peak_tflops": 275, "ici_gbps": None},
+    "v5e": {"hbm_bytes": 16 * GB, "peak_tflops": 197, "ici_gbps": 400},
+    "v5p": {"hbm_bytes": 95 * GIB, "peak_tflops": 459, "ici_gbps": 1200},
+    "v6e": {"hbm_bytes": 32 * GB, "peak_tflops": 918, "ici_gbps": 800},
 }
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -172,12 +172,14 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
   flops = float(cost.get("flops", float("nan")))
   coll = collective_stats(compiled.as_text())
   arg, out, alias, temp = (int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp"))
-  hbm = chip["hbm_bytes"] / chip["devices_per_chip"]
+  chips = math.prod(int(x) for x in topology.split(":", 1)[1].split("x"))
+  per_chip = len(devices) / chips  # JAX devices per chip
+  hbm = chip["hbm_bytes"] / per_chip
   total = arg + out - alias + temp
   coll_bytes = sum(v["bytes"] for v in coll.values())
-  peak = chip["peak_tflops"] * 1e12 / chip["devices_per_chip"]
+  peak = chip["peak_tflops"] * 1e12 / per_chip
   est = flops / peak + (coll_bytes / (chip["ici_gbps"] * 1e9 / 2) if chip["ici_gbps"] else 0.0)
-  report = {"topology": topology, "devices": len(devices), "device_kind": devices[0].device_kind,
+  report = {"topology": topology, "devices": len(devices), "chips": chips, "device_kind": devices[0].device_kind,
             "mesh": dict(mesh.shape), "batch_size": config.batch_size, "grad_accum_steps": config.grad_accum_steps,
             "dtype": config.dtype, "remat": config.remat, "chunk_size": config.loss.chunk_size,
             "token_weight": config.loss.token_weight, "model": dataclasses.asdict(model_cfg),
