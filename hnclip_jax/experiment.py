@@ -139,6 +139,8 @@ def check_compatible(meta: dict, model_cfg: CLIPConfig, where: str) -> None:
   if saved is None:
     raise ValueError(f"{where} has no model config in its metadata; it was not written by hnclip_jax")
   mine = dataclasses.asdict(model_cfg)
+  # A field the checkpoint predates has its default (e.g. token_projection, added after the first workdirs).
+  saved = {**{f.name: f.default for f in dataclasses.fields(CLIPConfig)}, **saved}
   diffs = [f"model.{k}: checkpoint={saved.get(k)!r}, config={v!r}" for k, v in mine.items()
            if k not in RUNTIME_FIELDS and saved.get(k) != v]
   if diffs:

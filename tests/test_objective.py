@@ -254,3 +254,13 @@ def test_logit_scale_never_exceeds_100_and_can_be_frozen(tiny):
   assert not np.array_equal(np.asarray(state["params"]["text_projection"]), before_other)
   moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim == 0 and x.dtype == jnp.float32]
   assert moments == []  # AdamW's mu/nu of a scalar parameter would be fp32 scalars
+
+
+def test_checkpoints_from_before_token_projection_still_resume():
+  """Workdirs written before config.model.token_projection existed have no such field: it reads as the default."""
+  import dataclasses
+  from hnclip_jax import experiment
+  old = {k: v for k, v in dataclasses.asdict(CFG).items() if k != "token_projection"}
+  experiment.check_compatible({"model": old}, CFG, "old checkpoint")
+  with pytest.raises(ValueError, match="token_projection: checkpoint='shared', config='separate'"):
+    experiment.check_compatible({"model": old}, dataclasses.replace(CFG, token_projection="separate"), "old")
