@@ -55,16 +55,20 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, 
           "s64": 8, "u64": 8, "f64": 8, "c64": 8}
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Config file (as for train.py).", lock_config=True)
-flags.DEFINE_string("topology", None, "TPU topology, e.g. v5e:2x2, v5e:4x4, v5p:2x2x2, v4:2x2x1, v6e:4x4.")
-flags.DEFINE_string("json", "", "Write the report (or the sweep's rows) to this JSON file.")
-flags.DEFINE_bool("sweep", False, "Compile a grid of layouts and settings and print a table sorted by fit and cost.")
-flags.DEFINE_string("layouts", "auto", "Sweep: mesh layouts DATAxFSDPxTENSOR, comma-separated; 'auto': every "
-                    "split of the chips with tensor in {1, 2, 4}.")
-flags.DEFINE_multi_string("grid", [], "Sweep: KEY=V1,V2 over config keys (batch_size, remat, loss.chunk_size, "
-                          "loss.token_weight, grad_accum_steps, ...); repeat the flag for more keys.")
-flags.DEFINE_string("out", "", "Sweep: append each row to this JSON-lines file as soon as it is compiled.")
-flags.mark_flags_as_required(["config", "topology"])
+
+
+def define_flags() -> None:
+  """The command's flags (defined when run as a program, so importing this module defines none)."""
+  config_flags.DEFINE_config_file("config", None, "Config file (as for train.py).", lock_config=True)
+  flags.DEFINE_string("topology", None, "TPU topology, e.g. v5e:2x2, v5e:4x4, v5p:2x2x2, v4:2x2x1, v6e:4x4.")
+  flags.DEFINE_string("json", "", "Write the report (or the sweep's rows) to this JSON file.")
+  flags.DEFINE_bool("sweep", False, "Compile a grid of layouts and settings; print a table sorted by fit and cost.")
+  flags.DEFINE_string("layouts", "auto", "Sweep: mesh layouts DATAxFSDPxTENSOR, comma-separated; 'auto': every "
+                      "split of the chips with tensor in {1, 2, 4}.")
+  flags.DEFINE_multi_string("grid", [], "Sweep: KEY=V1,V2 over config keys (batch_size, remat, loss.chunk_size, "
+                            "loss.token_weight, grad_accum_steps, ...); repeat the flag for more keys.")
+  flags.DEFINE_string("out", "", "Sweep: append each row to this JSON-lines file as soon as it is compiled.")
+  flags.mark_flags_as_required(["config", "topology"])
 
 
 def chip_spec(topology: str) -> dict:
@@ -302,4 +306,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
