@@ -22,6 +22,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host; the TPU is only a compile target
+# No TPU is opened, so several compiles (a sweep, a test) may load libtpu at once; without this libtpu refuses
+# the second process ("multi-process lockfile").
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
