@@ -1,10 +1,12 @@
-"""Evaluate a checkpoint: python eval.py --config configs/demo.py --workdir DIR [--step N].
+"""Evaluate a checkpoint: python eval.py --config configs/demo.py --workdir DIR [--step N] [--split S].
 
-Prints Recall@1/5/10 (text->image, image->text) and writes DIR/eval_results.json.
+Reads the data the workdir was trained on (DIR/data.json) unless --config.data.* overrides say otherwise, prints
+Recall@1/5/10 (text->image, image->text), writes DIR/eval_results.json (this result) and appends it to
+DIR/eval_history.jsonl (every result, never rewritten).
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before anything imports JAX: re-exec under tcmalloc if installed
+if __name__ == "__main__":  # first, before anything imports JAX: re-exec under tcmalloc if HNCLIP_TCMALLOC asks
   from hnclip_jax import hostmem
   hostmem.use_tcmalloc()
 
@@ -14,7 +16,7 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from hnclip_jax.cli import clean_errors, define_distributed_flags
+from hnclip_jax.cli import clean_errors, define_distributed_flags, parse_flags
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file the run was trained with.", lock_config=True)
@@ -29,51 +31,54 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   import jax
-  from hnclip_jax import checkpoint, config as config_lib, experiment, sharding, train_step
+  from hnclip_jax import config as config_lib, experiment, sharding, train_step
   from hnclip_jax.data import builders
   from hnclip_jax.metrics import log, quiet_libraries
   from hnclip_jax.models import abstract_model
+  from hnclip_jax.workdir import Workdir, check_model_compatible
 
   quiet_libraries()
   config = config_lib.validate(FLAGS.config)
   workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
   if not os.path.isdir(workdir):
     raise FileNotFoundError(f"--workdir={workdir} does not exist; pass the directory train.py wrote to")
+  wd = Workdir(workdir)
+  steps = wd.checkpoint_steps()
+  if not steps:
+    raise FileNotFoundError(f"no checkpoints in {wd.checkpoints}; train first with train.py --workdir {workdir}")
+  step = steps[-1] if FLAGS.step is None else FLAGS.step
+  if step not in steps:
+    raise ValueError(f"--step={step} has no checkpoint in {wd.checkpoints}; available steps: {steps}")
+  config, data_note = experiment.resolve_data(config, wd, config_flags.get_override_values(FLAGS["config"]),
+                                              training=False)
+  builders.check_data_config(config.data)
+  split = FLAGS.split or config.data.eval_split
   experiment.enable_compilation_cache(config.compilation_cache_dir)
   experiment.maybe_initialize_distributed()
   mesh = sharding.make_mesh(config.mesh)
   rules = sharding.parse_rules(config.mesh.rules)
-  split = FLAGS.split or config.data.eval_split
 
-  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.max_to_keep)
-  steps = ckpt.all_steps()
-  if not steps:
-    raise FileNotFoundError(f"no checkpoints in {ckpt.directory}; train first with train.py --workdir {workdir}")
-  step = steps[-1] if FLAGS.step is None else FLAGS.step
-  if step not in steps:
-    raise ValueError(f"--step={step} has no checkpoint in {ckpt.directory}; available steps: {steps}")
-
-  model_cfg, tokenizer, _ = experiment.resolve_model(config, workdir, training=False)
-  experiment.check_compatible(ckpt.read_meta(step), model_cfg, f"{ckpt.directory}/{step}")
+  ckpt = wd.checkpointer(read_only=True)
+  model_cfg, tokenizer, _ = experiment.resolve_model(config, wd, training=False)
+  check_model_compatible(ckpt.read_meta(step).get("model"), model_cfg, f"{ckpt.directory}/{step}")
   sharding.check_model_fits(model_cfg, mesh, rules)
+  log(f"{data_note}; split '{split}'")
+  source = builders.data_source(config.data, split)
   graphdef, abstract_params = abstract_model(model_cfg)
   param_sh = sharding.state_shardings({"params": abstract_params}, "params", mesh, rules)["params"]
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, param_sh)
   params = ckpt.restore_params(step, target)
-  source = builders.data_source(config.data, split)
-  res = experiment.evaluate(params, train_step.make_embed_fn(graphdef, mesh, param_sh), source, tokenizer, model_cfg, mesh,
-                            config.eval_batch_size)
+  res = experiment.evaluate(params, train_step.make_embed_fn(graphdef, mesh, param_sh), source, tokenizer, model_cfg,
+                            mesh, config.eval_batch_size)
   out = {"step": int(step), "dataset": config.data.name, "split": split, "num_pairs": res["num_pairs"],
          "t2i": res["t2i"], "i2t": res["i2t"]}
   for d, name in (("t2i", "text->image"), ("i2t", "image->text")):
     log(f"{name:12s} " + "  ".join(f"{k}={v:6.2f}" for k, v in out[d].items()))
-  if jax.process_index() == 0:
-    path = os.path.join(workdir, "eval_results.json")
-    with open(path, "w") as f:
-      json.dump(out, f, indent=2)
-    log(f"step {step}, {out['num_pairs']} pairs of {config.data.name}/{split}; wrote {path}")
+  wd.record_eval(out, {"data": dict(config.data)})
+  log(f"step {step}, {out['num_pairs']} pairs of {experiment.describe_data(config.data)}, split '{split}'; wrote "
+      f"{wd.eval_results} (history: {wd.eval_history})")
   ckpt.close()
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

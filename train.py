@@ -1,7 +1,7 @@
 """Train HN-CLIP: python train.py --config configs/demo.py --workdir DIR [--config.loss.gamma=0 ...]."""
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before anything imports JAX: re-exec under tcmalloc if installed
+if __name__ == "__main__":  # first, before anything imports JAX: re-exec under tcmalloc if HNCLIP_TCMALLOC asks
   from hnclip_jax import hostmem
   hostmem.use_tcmalloc()
 
@@ -12,7 +12,7 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from hnclip_jax.cli import clean_errors, define_distributed_flags
+from hnclip_jax.cli import clean_errors, define_distributed_flags, parse_flags
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file (get_config()).", lock_config=True)
@@ -33,12 +33,17 @@ def main(argv):
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.metrics import MetricsWriter, Progress, log, quiet_libraries
   from hnclip_jax.models import init_params
+  from hnclip_jax.workdir import Workdir, check_model_compatible, config_changes
 
-  # ---- Config, mesh, checks (all before compiling anything) -----------------
+  # ---- Config, paths, mesh, checks (all before building data or compiling anything) ----
   quiet_libraries()
   config = config_lib.validate(FLAGS.config)
   workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
   preemption.check_workdir(workdir)
+  wd = Workdir(workdir)
+  config, data_note = experiment.resolve_data(config, wd, config_flags.get_override_values(FLAGS["config"]),
+                                              training=True)
+  experiment.preflight(config)
   experiment.enable_compilation_cache(config.compilation_cache_dir)
   experiment.maybe_initialize_distributed()
   lock = preemption.WorkdirLock(workdir)
@@ -53,21 +58,28 @@ def main(argv):
     log(hostmem.cpu_allocator_note())
 
   # ---- Data and model definition --------------------------------------------
+  log(f"{data_note}; training on split '{config.data.train_split}', evaluating on '{config.data.eval_split}'")
   train_source = builders.data_source(config.data, config.data.train_split)
   eval_source = builders.data_source(config.data, config.data.eval_split)
-  model_cfg, tokenizer, init_from_params = experiment.resolve_model(config, workdir, training=True)
+  if wd.data() is None:
+    wd.save_data(config.data)
+  model_cfg, tokenizer, init_from_params = experiment.resolve_model(config, wd, training=True)
   train_step.check_model(config, model_cfg, mesh, rules)
   log(experiment.truncation_report(config, tokenizer))
   program = train_step.build_program(config, model_cfg, mesh, rules)  # what tools/compile_for compiles, too
   graphdef, tx, shardings, objective = program.graphdef, program.tx, program.shardings, program.objective
 
   # ---- State: newest intact checkpoint, else initial (created on its shardings) ----
-  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.max_to_keep,
-                                 async_save=config.async_checkpointing)
-  latest, state, _ = ckpt.restore_latest_intact(
-      program.target(), check_meta=lambda meta, where: experiment.check_compatible(meta, model_cfg, where))
+  ckpt = wd.checkpointer(max_to_keep=config.max_to_keep, async_save=config.async_checkpointing)
+  try:
+    latest, state, saved_meta = ckpt.restore_latest_intact(
+        program.target(), check_meta=lambda meta, where: check_model_compatible(meta.get("model"), model_cfg, where))
+  except checkpoint.IncompatibleCheckpoint as e:
+    raise experiment.resume_error(e, config, wd) from None
   if state is not None:
-    log(f"resumed from {ckpt.directory}/{latest} (step {latest})")
+    changed = config_changes(saved_meta.get("config"), config)
+    log(f"resumed from {ckpt.directory}/{latest} (step {latest})" +
+        (f"; settings changed since that checkpoint: {', '.join(changed)}" if changed else ""))
   elif init_from_params is not None:  # fine-tuning start: given weights, fresh optimizer, step 0
     state = jax.jit(lambda p: train_step.init_state(p, tx), out_shardings=shardings)(init_from_params)
     log(f"initialised from {config.init_from}")
@@ -158,4 +170,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -70,7 +70,7 @@ def main():
   p.add_argument("--json", default="")
   a = p.parse_args()
   if a.child:
-    hostmem.use_tcmalloc()  # re-execs under the library HNCLIP_TCMALLOC names, unless it is 0
+    hostmem.use_tcmalloc()  # re-execs under the library HNCLIP_TCMALLOC names (run_child sets it), unless it is 0
     print(json.dumps(child(a.model, a.batch, a.steps)))
     return
   lib = hostmem.preload_target({hostmem.ENV: a.tcmalloc})

@@ -12,9 +12,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if __name__ == "__main__":  # the allocator train.py runs on (tcmalloc when installed): hnclip_jax/hostmem.py
+if __name__ == "__main__":  # tcmalloc when installed (train.py: HNCLIP_TCMALLOC=1): hnclip_jax/hostmem.py
   from hnclip_jax import hostmem
-  hostmem.use_tcmalloc()
+  hostmem.use_tcmalloc(default="auto")  # measured under tcmalloc when installed, as docs/benchmarks.md says
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -33,7 +33,7 @@ if a.part == "memory" and "--xla_force_host_platform_device_count" not in os.env
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if __name__ == "__main__" and a.part == "time":  # the allocator train.py runs on (hnclip_jax/hostmem.py)
   from hnclip_jax import hostmem
-  hostmem.use_tcmalloc()
+  hostmem.use_tcmalloc(default="auto")  # measured under tcmalloc when installed, as docs/benchmarks.md says
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -111,7 +111,9 @@ def main():
     name = "hn" if g else "infonce"
     results["saturation"][str(g)] = {
         "batch_loss_below_1e-3": per_epoch(w, steps_per_epoch, f"diag/{name}/loss", lambda v: v < 1e-3),
-        "examples_saturated_mean": per_epoch(w, steps_per_epoch, f"diag/{name}/saturated_frac", lambda v: v > 0.5),
+        # share of logged batches with more than half of their examples below 1e-3 (not a share of examples)
+        "batches_majority_saturated": per_epoch(w, steps_per_epoch, f"diag/{name}/saturated_frac",
+                                                lambda v: v > 0.5),
         "zero_embedding_gradient": per_epoch(w, steps_per_epoch, f"diag/{name}/emb_grad_zero", lambda v: v == 1),
         "infonce_saturated_frac_mean": float(np.mean([r["diag/infonce/saturated_frac"] for r in rows(w)
                                                       if "diag/infonce/saturated_frac" in r])),
@@ -122,6 +124,16 @@ def main():
     cos = [r["diag/grad_cosine"] for r in rows(w) if "diag/grad_cosine" in r]
     results["saturation"][str(g)]["grad_norm_ratio_median"] = float(np.median(ratios)) if ratios else None
     results["saturation"][str(g)]["grad_cosine_median"] = float(np.median(cos)) if cos else None
+    results["saturation"][str(g)]["grad_norm_ratio_range"] = [float(min(ratios)), float(max(ratios))] if ratios else None
+    results["saturation"][str(g)]["grad_cosine_range"] = [float(min(cos)), float(max(cos))] if cos else None
+    # Every other number docs/replication.md quotes: the loss level, Ḡ statistics, how many examples were logged.
+    logged = [r for r in rows(w) if f"diag/{name}/loss" in r]
+    results["saturation"][str(g)]["telemetry"] = {
+        "logged_batches": len(logged), "logged_examples": len(logged) * batch,
+        **{f"{k}_median": float(np.median([r[k] for r in logged if k in r])) for k in
+           (f"diag/{name}/loss", "diag/G_offdiag_mean", "diag/G_offdiag_max", "diag/hardest_negative_sim")
+           if any(k in r for r in logged)},
+        "last_logged_loss": float(logged[-1][f"diag/{name}/loss"]) if logged else None}
   results["data_efficiency"] = {"gamma0.5_20pct": final_recall(small),
                                 "gamma0_100pct": results["by_gamma"].get("0.0")}
   with open(os.path.join(out, "results.json"), "w") as f:

@@ -1,12 +1,19 @@
 """Thin Orbax wrapper: atomic, async, keeps the newest `max_to_keep`, restores onto given shardings, and never
 restores a damaged checkpoint.
 
+Restoring tells three cases apart (`restore_latest_intact`):
+  damaged       fingerprint mismatch, missing or truncated files -> set aside, fall back to the previous step;
+  incompatible  the saved state's structure or shapes differ from what this run builds (another optimizer or
+                model setting) -> IncompatibleCheckpoint, nothing touched;
+  transient     an I/O or permission error -> retried a few times, then CheckpointError; never set aside.
+
 Each step directory holds `state` (params, optimizer state, step, counters) and
 `meta` (JSON: model config, run config, mesh, code version, and a fingerprint of
 the state: per-leaf sum|x| and sum x², compared on restore).
 """
 from __future__ import annotations
 
+import errno
 import os
 import time
 
@@ -21,7 +28,71 @@ from hnclip_jax import faults
 
 
 class CheckpointError(RuntimeError):
-  """A checkpoint could not be written; earlier checkpoints are untouched."""
+  """A checkpoint could not be written or read; checkpoints on disk are untouched."""
+
+
+class IncompatibleCheckpoint(ValueError):
+  """The checkpoint is intact but holds a differently structured state than the one this run builds."""
+
+  def __init__(self, where: str, differences: list[str], meta: dict):
+    self.where, self.differences, self.meta = where, differences, meta
+    super().__init__(f"{where}: the saved state differs from this run's: " + "; ".join(differences))
+
+
+# errno values of storage trouble that may pass (a flaky network file system, permissions being fixed), as
+# opposed to a file that is missing or malformed (damage).
+TRANSIENT_ERRNOS = {errno.EIO, errno.EACCES, errno.EPERM, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE,
+                    errno.EINTR, errno.ENOLCK, errno.ECONNRESET, errno.ECONNABORTED, errno.ENETUNREACH,
+                    errno.EHOSTUNREACH, errno.EREMOTEIO}
+# The same, as TensorStore (Orbax's array storage) words them in the ValueError it raises.
+TRANSIENT_STATUS = ("PERMISSION_DENIED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "Input/output error",
+                    "Permission denied")
+
+
+def is_transient(err: BaseException) -> bool:
+  """Whether `err` (or what caused it) is a storage error that may pass, rather than damage."""
+  seen = set()
+  while err is not None and id(err) not in seen:
+    seen.add(id(err))
+    if isinstance(err, OSError) and err.errno in TRANSIENT_ERRNOS:
+      return True
+    if not isinstance(err, OSError) and any(code in str(err) for code in TRANSIENT_STATUS):
+      return True
+    err = err.__cause__ or err.__context__
+  return False
+
+
+def _key_name(k) -> str:
+  for attr in ("key", "idx", "name"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def _shapes(tree) -> dict:
+  """{'opt_state/1/0/mu/w': (shape, dtype)}: paths spelled alike for a live tree and Orbax's saved metadata
+  (which stores named tuples as dicts)."""
+  return {"/".join(_key_name(k) for k in path): (tuple(x.shape), str(x.dtype))
+          for path, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "shape")}
+
+
+def structure_differences(saved, target) -> list[str]:
+  """What differs between a saved state's metadata tree and the abstract state a run would restore into:
+  one line per kind of difference, with its count and the first path."""
+  a, b = _shapes(saved), _shapes(target)
+  order = lambda k: (not k.startswith("params/"), k)  # noqa: E731 — a parameter is the clearest first example
+  only_saved, only_run = sorted(set(a) - set(b), key=order), sorted(set(b) - set(a), key=order)
+  other = [k for k in sorted(set(a) & set(b), key=order) if a[k] != b[k]]
+  out = []
+  if only_saved:
+    out.append(f"{len(only_saved)} array(s) in the checkpoint are not in this run's state (first: {only_saved[0]})")
+  if only_run:
+    out.append(f"{len(only_run)} array(s) of this run's state are not in the checkpoint (first: {only_run[0]})")
+  if other:
+    k = other[0]
+    out.append(f"{len(other)} array(s) have another shape or dtype (first: {k}: checkpoint "
+               f"{a[k][1]}{list(a[k][0])}, this run {b[k][1]}{list(b[k][0])})")
+  return out
 
 
 @jax.jit
@@ -42,11 +113,13 @@ def _same(saved, got, rtol=1e-4) -> bool:
 
 class Checkpointer:
 
-  def __init__(self, directory: str, max_to_keep: int = 3, async_save: bool = True):
+  def __init__(self, directory: str, max_to_keep: int = 3, async_save: bool = True, create: bool = True,
+               retries: int = 3, retry_wait_s: float = 1.0):
     self.directory = os.path.abspath(os.path.expanduser(directory))
+    self.retries, self.retry_wait_s = retries, retry_wait_s
     self._mgr = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create,
                                              enable_async_checkpointing=async_save))
 
   def latest_step(self) -> int | None:
@@ -78,32 +151,66 @@ class Checkpointer:
     Raises ValueError if the restored values do not match the fingerprint recorded at save time.
     """
     meta = self.read_meta(step)
+    faults.maybe_fail_read("restore_io", step)
     state = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
     self._verify(step, meta, state)
     return state
 
+  def saved_structure(self, step: int):
+    """The saved state's tree of array metadata (shapes and dtypes; no array is read)."""
+    from etils import epath
+    return ocp.PyTreeCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
+
+  def _retrying(self, fn, where: str):
+    """fn(), retried with backoff while it fails with a transient storage error; then CheckpointError."""
+    for attempt in range(self.retries):
+      try:
+        return fn()
+      except Exception as e:  # noqa: BLE001
+        if not is_transient(e):
+          raise
+        if attempt + 1 == self.retries:
+          raise CheckpointError(
+              f"reading checkpoint {where} failed {self.retries} times with a storage error "
+              f"({type(e).__name__}: {e}). Nothing was moved or deleted; check the file system and permissions, "
+              "then rerun to resume") from e
+        wait = self.retry_wait_s * 2 ** attempt
+        logging.warning("reading %s: %s; retrying in %.1fs", where, e, wait)
+        time.sleep(wait)
+
   def restore_latest_intact(self, abstract_state, check_meta=None):
     """Newest checkpoint that restores and verifies -> (step, state, meta), or (None, None, None) if none.
 
-    A damaged checkpoint (half-written, truncated or corrupted files) is skipped with a warning naming it.
-    `check_meta(meta, where)` may raise to refuse a checkpoint (e.g. another model config); that is not skipped.
+    A damaged checkpoint (half-written, truncated or corrupted files) is skipped with a warning naming it and,
+    once an intact one is restored (or none is left), moved to checkpoints_damaged/. Raised without touching
+    anything: whatever `check_meta(meta, where)` raises (e.g. another model config), IncompatibleCheckpoint when
+    the saved state's structure or shapes differ from `abstract_state`, CheckpointError when storage errors
+    persist through the retries.
     """
     damaged = []
     found = (None, None, None)
     for step in reversed(self.all_steps()):
       where = f"{self.directory}/{step}"
       try:
-        meta = self.read_meta(step)
-      except Exception as e:  # noqa: BLE001
+        meta = self._retrying(lambda: self.read_meta(step), where)
+        saved = self._retrying(lambda: self.saved_structure(step), where)
+      except CheckpointError:
+        raise
+      except Exception as e:  # noqa: BLE001 — unreadable metadata: damaged
         self._warn(where, e)
         damaged.append(step)
         continue
       if check_meta is not None:
         check_meta(meta, where)
+      differences = structure_differences(saved, abstract_state)
+      if differences:
+        raise IncompatibleCheckpoint(where, differences, meta)
       try:
-        found = (step, self.restore(step, abstract_state), meta)
+        found = (step, self._retrying(lambda: self.restore(step, abstract_state), where), meta)
         break
-      except Exception as e:  # noqa: BLE001
+      except CheckpointError:
+        raise
+      except Exception as e:  # noqa: BLE001 — unreadable or fingerprint mismatch: damaged
         self._warn(where, e)
         damaged.append(step)
     self._set_aside(damaged)

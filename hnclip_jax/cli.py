@@ -1,8 +1,10 @@
 """Entry-point helper: configuration and input errors end the program with one clear line, not a traceback."""
 from __future__ import annotations
 
+import difflib
 import functools
 import os
+import re
 import sys
 
 from hnclip_jax.checkpoint import CheckpointError
@@ -33,3 +35,51 @@ def define_distributed_flags() -> None:
   flags.DEFINE_integer("process_id", None, "This process's index in a multi-process run.")
   flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() with cluster auto-detection "
                     "(TPU pods, SLURM, ...).")
+
+
+def _flag_error(err: BaseException, argv) -> str:
+  """A one-line explanation of a command-line parsing failure, with the 'did you mean' where there is one."""
+  raw = str(err)
+  # A --config.KEY override naming a key the config does not have (ml_collections raises AttributeError/KeyError).
+  m = re.search(r'Did you mean \\?"([\w.]+)\\?" instead of \\?"([\w.]+)\\?"', raw)
+  if isinstance(err, (AttributeError, KeyError)):
+    bad = m.group(2) if m else re.sub(r"\W", "", raw.split()[0]) if raw.split() else ""
+    overrides = [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
+    arg = next((a for a in overrides if bad and re.search(rf"[.]{re.escape(bad)}([.]|$)", a)), None)
+    key = arg or f"--config...{bad}"
+    parts = key.split(".")
+    if m and bad in parts:
+      parts[parts.index(bad)] = m.group(1)
+    hint = f"; did you mean {'.'.join(parts)}?" if m else ""
+    return f"unknown config key {key}{hint} (every key and its default: hnclip_jax/config.py)"
+  lines = [line.strip() for line in raw.splitlines() if line.strip()]
+  if "Traceback (most recent call last)" in raw and lines:  # an exception inside the config file: its last line
+    return f"{lines[0].split(':', 1)[0]}: {lines[-1]}"
+  errno_line = next((line for line in lines if line.startswith("[Errno")), None)
+  if errno_line:
+    return f"cannot load the config file: {errno_line}"
+  return " ".join(raw.split())
+
+
+def parse_flags(argv):
+  """absl `flags_parser` for app.run: a bad flag, unknown --config key or unloadable config file ends the program
+  with one 'error: ...' line (and a 'did you mean' where there is one), exit 2; HNCLIP_TRACEBACK=1 re-raises."""
+  from absl import flags
+  from ml_collections.config_flags.config_flags import is_config_flag
+  try:
+    rest = flags.FLAGS(argv)
+    for name in list(flags.FLAGS):  # config files load lazily: a missing one only fails when first read
+      if is_config_flag(flags.FLAGS[name]) and flags.FLAGS[name].value is not None:
+        flags.FLAGS[name].value.keys()
+    return rest
+  except Exception as e:  # noqa: BLE001 — absl flag errors, config-file load errors, bad override keys/values
+    if os.environ.get("HNCLIP_TRACEBACK"):
+      raise
+    if isinstance(e, flags.Error) and "Unknown command line flag" in str(e):
+      name = re.search(r"flag '([^']+)'", str(e))
+      close = difflib.get_close_matches(name.group(1), list(flags.FLAGS), n=1) if name else []
+      msg = str(e).split(".")[0] + (f"; did you mean --{close[0]}?" if close else "") + " (--helpshort lists them)"
+    else:
+      msg = _flag_error(e, argv)
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)

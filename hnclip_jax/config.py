@@ -90,12 +90,13 @@ NON_NEGATIVE = ("workers", "loss.chunk_size", "diagnostics.every", "optimizer.we
                 "loss.gamma", "loss.token_weight", "loss.token_logit_scale")
 
 
-def _flatten(cfg, prefix=""):
+def flatten(cfg, prefix="") -> dict:
+  """{'a.b': value} for a ConfigDict or a nested dict."""
   out = {}
   for k, v in cfg.items():
     key = f"{prefix}{k}"
-    if isinstance(v, ml_collections.ConfigDict):
-      out.update(_flatten(v, key + "."))
+    if isinstance(v, (ml_collections.ConfigDict, dict)):
+      out.update(flatten(v, key + "."))
     else:
       out[key] = v
   return out
@@ -103,7 +104,7 @@ def _flatten(cfg, prefix=""):
 
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Raises ValueError naming the offending key/value and the fix; returns the config unchanged."""
-  known, given = _flatten(base_config()), _flatten(config)
+  known, given = flatten(base_config()), flatten(config)
   for key in sorted(set(given) - set(known)):
     close = difflib.get_close_matches(key, known, n=1)
     hint = f"; did you mean config.{close[0]}?" if close else ""

@@ -1,20 +1,24 @@
 """Set-up shared by train.py and eval.py: XLA cache, tokenizer, model config, checkpoint checks, eval."""
 from __future__ import annotations
 
+import copy
 import dataclasses
-import json
 import os
+
+import ml_collections
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 from hnclip_jax import sharding
+from hnclip_jax.checkpoint import IncompatibleCheckpoint
 from hnclip_jax.data import builders, pipeline
-from hnclip_jax.data.tokenizer import WordTokenizer, load_tokenizer
+from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.evaluation import recall_at_k
 from hnclip_jax.config import RUNTIME_FIELDS
 from hnclip_jax.models import CLIPConfig
+from hnclip_jax.workdir import DATA_LOCATION_KEYS, Workdir, check_model_compatible, config_changes
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
@@ -42,13 +46,6 @@ def maybe_initialize_distributed() -> None:
     jax.distributed.initialize()
 
 
-def tokenizer_dir(workdir: str) -> str:
-  return os.path.join(workdir, "tokenizer")
-
-
-MODEL_JSON = "model.json"
-
-
 def runtime(cfg: CLIPConfig, config) -> CLIPConfig:
   """`cfg` with this run's compute settings (config.dtype, config.remat, config.attention)."""
   cfg = dataclasses.replace(cfg, **{k: config[k] for k in RUNTIME_FIELDS}).validate()
@@ -58,7 +55,62 @@ def runtime(cfg: CLIPConfig, config) -> CLIPConfig:
   return cfg
 
 
-def resolve_model(config, workdir: str, *, training: bool):
+def preflight(config) -> None:
+  """The checks on paths that need no data and no compilation: config.init_from's existence and format, the
+  dataset name and its manual folder. Called before anything is built."""
+  if config.init_from:
+    from hnclip_jax import pretrained
+    pretrained.check_source(config.init_from, "config.init_from")
+  builders.check_data_config(config.data)
+
+
+def describe_data(data) -> str:
+  """'pairs from /data/x' / 'synthetic (tr4096_te512_g4_px64_s0)': which dataset a run reads, for the log."""
+  if data["name"] == "synthetic":
+    return (f"synthetic ({data['num_train']} train / {data['num_test']} test, group {data['group_size']}, "
+            f"{data['image_size']} px, seed {data['seed']})")
+  return f"{data['name']} from {data['manual_dir']}"
+
+
+def resolve_data(config, wd: Workdir, overrides: dict, *, training: bool):
+  """The data a run on `wd` reads -> (config with that data, log line).
+
+  A workdir records its data config at the first start (data.json). Later runs read that data: a config file
+  that says otherwise is ignored (and the log says so). Explicit --config.data.* overrides that contradict it
+  are an error for a resume (a run trains on one dataset) and are applied for eval (evaluating on another split or
+  dataset is normal). `overrides`: the command line's {'data.name': value, ...} (config_flags.get_override_values).
+  """
+  stored = wd.data()
+  if stored is None:
+    if training and wd.checkpoint_steps():
+      return config, (f"{wd.path} has no {os.path.basename(wd.data_json)} (an older workdir): reading the data the "
+                      f"config gives, {describe_data(config.data)}, and recording it")
+    return config, f"data: {describe_data(config.data)}"
+  explicit = {k[len("data."):]: v for k, v in overrides.items() if k.startswith("data.")}
+  data = {**dict(config.data), **{k: v for k, v in stored.items() if k in config.data}}
+  notes = []
+  if training:
+    clash = [f"config.data.{k}={v!r} (the workdir's: {stored.get(k)!r})" for k, v in explicit.items()
+             if k not in DATA_LOCATION_KEYS and stored.get(k) != v]
+    if clash:
+      raise ValueError(f"{wd.path} trains on {describe_data(stored)} ({wd.data_json}); the command line asks for "
+                       + ", ".join(clash) + ". A resume continues on the data it started with: drop those "
+                       "overrides, or start a new workdir (--config.init_from=" + wd.path + " takes its parameters)")
+  ignored = [f"{k}={config.data[k]!r}" for k in config.data if k not in explicit and k not in DATA_LOCATION_KEYS
+             and k in stored and stored[k] != config.data[k]]
+  if ignored:
+    notes.append("the config file's " + ", ".join(ignored) + " ignored")
+  data.update({k: v for k, v in explicit.items() if training is False or k in DATA_LOCATION_KEYS})
+  if not training and any(data.get(k) != stored.get(k) for k in stored if k not in DATA_LOCATION_KEYS):
+    notes.append(f"not the data it was trained on, {describe_data(stored)}")
+  config = copy.deepcopy(config)
+  with config.unlocked():
+    config.data = ml_collections.ConfigDict(data)
+  origin = f"recorded in {wd.data_json}" + (" with command-line overrides" if explicit else "")
+  return config, f"data: {describe_data(config.data)} ({origin}" + "".join(f"; {n}" for n in notes) + ")"
+
+
+def resolve_model(config, wd: Workdir, *, training: bool):
   """The run's architecture and tokenizer -> (CLIPConfig, tokenizer, initial params or None).
 
   A workdir remembers both (model.json, tokenizer/) from its first start, so
@@ -68,16 +120,14 @@ def resolve_model(config, workdir: str, *, training: bool):
   Long-CLIP does; config.dtype, config.remat and config.attention apply); without it, from config.model and
   a tokenizer fitted on the training captions.
   """
-  model_json = os.path.join(workdir, MODEL_JSON)
-  if os.path.exists(model_json):
-    with open(model_json) as f:
-      cfg = CLIPConfig.from_dict(json.load(f))
-    tok = load_tokenizer(tokenizer_dir(workdir))
+  cfg = wd.model()
+  if cfg is not None:
+    tok = wd.tokenizer()
     if not config.init_from:
-      check_compatible({"model": dataclasses.asdict(cfg)}, model_config(config, tok), model_json)
+      check_model_compatible(dataclasses.asdict(cfg), model_config(config, tok), wd.model_json)
     return runtime(cfg, config), tok, None
   if not training:
-    raise FileNotFoundError(f"{model_json} is missing: {workdir} is not a train.py workdir (train first)")
+    raise FileNotFoundError(f"{wd.model_json} is missing: {wd.path} is not a train.py workdir (train first)")
   params = None
   if config.init_from:
     from hnclip_jax import pretrained
@@ -90,31 +140,34 @@ def resolve_model(config, workdir: str, *, training: bool):
                               "(vocab.json + merges.txt, tokenizer.json or bpe_simple_vocab_16e6.txt.gz)")
     cfg, tok, params = runtime(pre.config, config), pre.tokenizer, pre.params
   else:
-    tok = get_tokenizer(config, workdir, fit_if_missing=True)
+    tok = get_tokenizer(config, wd, fit_if_missing=True)
     cfg = model_config(config, tok)
-  if jax.process_index() == 0:
-    tok.save(tokenizer_dir(workdir))
-    with open(model_json, "w") as f:
-      json.dump({k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUNTIME_FIELDS}, f, indent=2)
+  wd.save_model(cfg, tok)
   return cfg, tok, params
 
 
-def get_tokenizer(config, workdir: str, *, fit_if_missing: bool):
-  """The workdir's tokenizer; when absent and `fit_if_missing`, fits one on the training captions and saves it."""
-  path = tokenizer_dir(workdir)
-  if os.path.exists(os.path.join(path, "tokenizer_meta.json")):
-    tok = load_tokenizer(path)
-  elif fit_if_missing:
+def get_tokenizer(config, wd: Workdir, *, fit_if_missing: bool):
+  """The workdir's tokenizer; when absent and `fit_if_missing`, fits one on the training captions."""
+  tok = wd.tokenizer(required=False)
+  if tok is None:
+    if not fit_if_missing:
+      raise FileNotFoundError(f"no tokenizer in {wd.tokenizer_dir}: run train.py with this --workdir first")
     captions = pipeline.read_captions(builders.data_source(config.data, config.data.train_split, decode_images=False))
     tok = WordTokenizer.fit(captions, context_length=config.model.text_context)
-    if jax.process_index() == 0:
-      tok.save(path)
-  else:
-    raise FileNotFoundError(f"no tokenizer in {path}: run train.py with this --workdir first")
   if tok.context_length != config.model.text_context:
-    raise ValueError(f"{path} was saved with context_length={tok.context_length} but "
+    raise ValueError(f"{wd.tokenizer_dir} was saved with context_length={tok.context_length} but "
                      f"config.model.text_context={config.model.text_context}; use the same text context")
   return tok
+
+
+def resume_error(err: IncompatibleCheckpoint, config, wd: Workdir) -> ValueError:
+  """The one-line error for a checkpoint whose state this config cannot restore into."""
+  changes = config_changes(err.meta.get("config"), config)
+  said = ("settings that differ from the run that wrote it: " + ", ".join(changes) if changes else
+          "no config setting differs from the run that wrote it (the code's state layout changed)")
+  return ValueError(f"{err.where} cannot be resumed with this config: {'; '.join(err.differences)}. The "
+                    f"{said}. Either rerun with the checkpoint's settings, or take only its parameters into a new "
+                    f"run: --config.init_from={wd.path} --workdir NEW_DIR. Nothing on disk was changed.")
 
 
 VOCAB_MULTIPLE = 128
@@ -131,21 +184,6 @@ def model_config(config, tokenizer) -> CLIPConfig:
     raise ValueError(f"config.model.vocab_size={d['vocab_size']} is smaller than the tokenizer's "
                      f"vocabulary ({tokenizer.vocab_size}); set it to 0 to take the tokenizer's size")
   return runtime(CLIPConfig.from_dict(d), config)
-
-
-def check_compatible(meta: dict, model_cfg: CLIPConfig, where: str) -> None:
-  """Raises if a checkpoint's model config differs from the one this run builds."""
-  saved = meta.get("model")
-  if saved is None:
-    raise ValueError(f"{where} has no model config in its metadata; it was not written by hnclip_jax")
-  mine = dataclasses.asdict(model_cfg)
-  # A field the checkpoint predates has its default (e.g. token_projection, added after the first workdirs).
-  saved = {**{f.name: f.default for f in dataclasses.fields(CLIPConfig)}, **saved}
-  diffs = [f"model.{k}: checkpoint={saved.get(k)!r}, config={v!r}" for k, v in mine.items()
-           if k not in RUNTIME_FIELDS and saved.get(k) != v]
-  if diffs:
-    raise ValueError(f"checkpoint {where} was written for a different model: " + "; ".join(diffs) +
-                     ". Use the config it was trained with, or a fresh --workdir.")
 
 
 def truncation_report(config, tokenizer) -> str:

@@ -5,6 +5,8 @@ HNCLIP_FAULT="EVENT@STEP[,EVENT@STEP...]" with EVENT one of:
   kill_during_save  SIGKILL right after the (asynchronous) checkpoint write of STEP has started
   save_fails        the checkpoint write of STEP fails as a full disk would (OSError ENOSPC)
   nan               the batch of step STEP is made non-finite
+  restore_io        every read of checkpoint STEP fails as a flaky disk would (OSError EIO)
+  restore_io_once   only the first read of checkpoint STEP in this process fails that way
 Unset in normal use: every hook is then a no-op.
 """
 from __future__ import annotations
@@ -27,6 +29,15 @@ def maybe_kill(event: str, step: int) -> None:
 def maybe_fail(event: str, step: int) -> None:
   if _armed(event, step):
     raise OSError(errno.ENOSPC, "No space left on device (injected by HNCLIP_FAULT)")
+
+
+_failed_once: set = set()
+
+
+def maybe_fail_read(event: str, step: int) -> None:
+  if _armed(event, step) or (_armed(f"{event}_once", step) and (event, step) not in _failed_once):
+    _failed_once.add((event, step))
+    raise OSError(errno.EIO, "Input/output error (injected by HNCLIP_FAULT)")
 
 
 def poisoned(step: int) -> bool:

@@ -18,7 +18,7 @@ def test_accelerator_script_quick_mode(tmp_path):
   assert abs(steps["analytic_TFLOP"] / steps["xla_TFLOP"] - 1) < 0.05
   # The margin's extra B×B product shows up in XLA's FLOP count (γ = 0 compiles without it), and it is small.
   assert 0 < steps["margin_xla_flops_pct"] < 1
-  assert 0 < steps["MFU_pct"] and steps["overhead_min_pct"] <= steps["margin_overhead_pct"] <= steps["overhead_max_pct"]
+  assert 0 < steps["MFU_pct"] < 100
   retr = json.load(open(tmp_path / "retrieval.json"))
   assert retr[0]["method"] == "hnclip" and retr[0]["n"] == 2000
   loss = json.load(open(tmp_path / "loss_memory.json"))

@@ -1,5 +1,6 @@
 """Synthetic data, its TFDS builder (array_record, no TensorFlow), the tokenizer and the grain pipeline."""
 import io
+import os
 
 import ml_collections
 import numpy as np
@@ -8,7 +9,7 @@ from PIL import Image
 
 from hnclip_jax.data import builders, pipeline, synthetic
 from hnclip_jax.data.tokenizer import WordTokenizer, load_tokenizer
-from conftest import run_py
+from conftest import ROOT, run_py
 
 
 def test_generator_is_deterministic_and_described():
@@ -81,12 +82,21 @@ def test_unknown_dataset_and_split_are_named(data_cfg):
     builders.data_source(data_cfg, "validation")
 
 
-def test_no_tensorflow_is_imported(tfds_dir):
-  code = ("import sys, ml_collections; from hnclip_jax.data import builders, pipeline; import train; from hnclip_jax import checkpoint, experiment, metrics, train_step;"
-          f"cfg = ml_collections.ConfigDict({DATA.to_dict()!r}); cfg.data_dir = {tfds_dir!r};"
-          "s = builders.data_source(cfg, 'train'); s[0];"
-          "print('TF', any(m == 'tensorflow' or m.startswith('tensorflow.') for m in sys.modules))")
-  assert "TF False" in run_py(["-c", code]).stdout
+def test_no_tensorflow_is_imported(tmp_path):
+  """A tripwire `tensorflow` package on the path records any import of it (and then fails it, as if absent):
+  building a dataset, reading it and importing the training code must not touch it."""
+  fake = tmp_path / "fake" / "tensorflow"
+  fake.mkdir(parents=True)
+  marker = tmp_path / "tensorflow_was_imported"
+  (fake / "__init__.py").write_text(f"import traceback\nopen({str(marker)!r}, 'w').write(''.join("
+                                    "traceback.format_stack()))\nraise ImportError('tripwire')\n")
+  code = ("import ml_collections; from hnclip_jax.data import builders, pipeline; import train; "
+          "from hnclip_jax import checkpoint, experiment, metrics, train_step;"
+          f"cfg = ml_collections.ConfigDict({DATA.to_dict()!r}); cfg.data_dir = {str(tmp_path / 'tfds')!r};"
+          "s = builders.data_source(cfg, 'train'); s[0]; print('read', len(s))")
+  out = run_py(["-c", code], env_extra={"PYTHONPATH": f"{tmp_path / 'fake'}{os.pathsep}{ROOT}"})
+  assert "read 48" in out.stdout  # built from scratch and read
+  assert not marker.exists(), marker.read_text()
 
 
 def test_tokenizer_packs_truncates_and_round_trips(tmp_path):

@@ -181,15 +181,53 @@ def test_train_and_eval_on_pairs_from_scratch(tmp_path, tfds_dir):
     cap = " ".join(np.random.default_rng(i).choice(words, 8))
     entries.append({"filename": name, "caption": f"{cap} number {i}", "split": "test" if i >= 32 else "train"})
   write(str(m / "pairs.json"), json.dumps(entries))
-  args = ["--config", "configs/demo.py:test", "--workdir", str(tmp_path / "w"), "--config.data.name=pairs",
-          f"--config.data.manual_dir={m}", f"--config.data.data_dir={tmp_path / 'd'}", "--config.data.num_test=8"]
-  run_py(["train.py", *args])
-  run_py(["eval.py", *args])
-  with open(tmp_path / "w" / "eval_results.json") as f:
-    res = json.load(f)
-  assert res["dataset"] == "pairs" and res["num_pairs"] == 8
-  vocab = json.load(open(tmp_path / "w" / "tokenizer" / "tokenizer.json"))["model"]["vocab"]
+  w = tmp_path / "w"
+  base = ["--config", "configs/demo.py:test", "--workdir", str(w)]
+  data = ["--config.data.name=pairs", f"--config.data.manual_dir={m}", f"--config.data.data_dir={tmp_path / 'd'}",
+          "--config.data.num_test=8"]
+  run_py(["train.py", *base, *data])
+  vocab = json.load(open(w / "tokenizer" / "tokenizer.json"))["model"]["vocab"]
   assert "circle" in vocab and "number" in vocab  # fitted on this dataset's training captions
+
+  # The data overrides forgotten: eval and a resume read what the workdir recorded, and say so.
+  ev = run_py(["eval.py", *base])
+  assert f"data: pairs from {m} (recorded in {w}/data.json; the config file's manual_dir='', name='synthetic'" in ev.stdout
+  res = json.load(open(w / "eval_results.json"))
+  assert res["dataset"] == "pairs" and res["num_pairs"] == 8
+  again = run_py(["train.py", *base])
+  assert f"data: pairs from {m} (recorded in {w}/data.json" in again.stdout and "resumed from" in again.stdout
+  # Contradicting the recorded data on resume is refused; for eval it is another evaluation, kept beside the first.
+  refused = run_py(["train.py", *base, "--config.data.name=synthetic"], check=False)
+  assert refused.returncode == 2 and "config.data.name='synthetic' (the workdir's: 'pairs')" in refused.stderr
+  other = run_py(["eval.py", *base, "--config.data.name=synthetic", f"--config.data.data_dir={tfds_dir}"])
+  assert f"not the data it was trained on, pairs from {m}" in other.stdout
+  assert json.load(open(w / "eval_results.json"))["dataset"] == "synthetic"
+  history = [json.loads(line) for line in open(w / "eval_history.jsonl")]
+  assert [(h["dataset"], h["num_pairs"]) for h in history] == [("pairs", 8), ("synthetic", 8)]
+  assert history[0]["data"]["manual_dir"] == str(m)
+
+
+def test_a_changed_pairs_folder_is_rebuilt(tmp_path, capsys):
+  m = tmp_path / "m"
+  rows = []
+  for i in range(6):
+    write(str(m / f"img{i}.jpg"), image_bytes(700 + i))
+    rows.append(json.dumps({"filename": f"img{i}.jpg", "caption": f"caption {i}"}))
+  write(str(m / "pairs.jsonl"), "\n".join(rows))
+  c = cfg("pairs", m, tmp_path / "d")
+  assert len(read_all(c, "train")) == 6
+  assert "data: building hnclip_pairs" in capsys.readouterr().out
+  builders._reported.clear()  # a new process would say it again
+  assert len(read_all(c, "train")) == 6
+  assert "data: reusing the hnclip_pairs build" in capsys.readouterr().out
+  write(str(m / "pairs.jsonl"), "\n".join(rows[:4]))  # the index file edited
+  assert sorted(read_all(c, "train")) == [f"img{i}.jpg" for i in range(4)]
+  assert f"the manual folder {m} differs from what the earlier build" in capsys.readouterr().out
+  m2 = tmp_path / "m2"  # another folder with the same content is another input too
+  for i in range(2):
+    write(str(m2 / f"img{i}.jpg"), image_bytes(700 + i))
+  write(str(m2 / "pairs.jsonl"), "\n".join(rows[:2]))
+  assert sorted(read_all(cfg("pairs", m2, tmp_path / "d"), "train")) == ["img0.jpg", "img1.jpg"]
 
 
 def test_inspect_tool(tmp_path):

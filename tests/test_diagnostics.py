@@ -85,8 +85,15 @@ def test_replicate_quick_writes_its_outputs(replication):
   rows = [json.loads(line) for line in open(replication / "ft_gamma0.5_seed0" / "metrics.jsonl")]
   logged = [r for r in rows if "diag/hn/saturated_frac" in r]
   assert len(logged) == 4 and all("diag/G_offdiag_mean" in r for r in logged)
+  # results.json carries every telemetry number the docs quote, equal to what the run logged.
+  tel = res["saturation"]["0.5"]["telemetry"]
+  assert tel["logged_batches"] == 4
+  assert tel["diag/G_offdiag_mean_median"] == pytest.approx(float(np.median([r["diag/G_offdiag_mean"] for r in logged])))
+  assert tel["last_logged_loss"] == logged[-1]["diag/hn/loss"]
   compared = [r for r in rows if "diag/grad_cosine" in r]
   assert [r["step"] for r in compared] == [2, 4]
+  lo, hi = res["saturation"]["0.5"]["grad_cosine_range"]
+  assert (lo, hi) == (min(r["diag/grad_cosine"] for r in compared), max(r["diag/grad_cosine"] for r in compared))
   for r in compared:  # the comparison's HN gradient is the train step's gradient on the same batch
     assert r["diag/hn/param_grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
     assert -1 <= r["diag/grad_cosine"] <= 1

@@ -259,8 +259,8 @@ def test_logit_scale_never_exceeds_100_and_can_be_frozen(tiny):
 def test_checkpoints_from_before_token_projection_still_resume():
   """Workdirs written before config.model.token_projection existed have no such field: it reads as the default."""
   import dataclasses
-  from hnclip_jax import experiment
+  from hnclip_jax import workdir
   old = {k: v for k, v in dataclasses.asdict(CFG).items() if k != "token_projection"}
-  experiment.check_compatible({"model": old}, CFG, "old checkpoint")
+  workdir.check_model_compatible(old, CFG, "old checkpoint")
   with pytest.raises(ValueError, match="token_projection: checkpoint='shared', config='separate'"):
-    experiment.check_compatible({"model": old}, dataclasses.replace(CFG, token_projection="separate"), "old")
+    workdir.check_model_compatible(old, dataclasses.replace(CFG, token_projection="separate"), "old")

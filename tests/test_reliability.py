@@ -95,6 +95,47 @@ def test_damaged_checkpoints_are_skipped(tmp_path, tfds_dir, reference):
   assert_identical_to(reference, workdir)
 
 
+def _copy(reference, tmp_path):
+  workdir = tmp_path / "w"
+  shutil.copytree(reference[0], workdir)
+  os.remove(workdir / ".lock") if (workdir / ".lock").exists() else None
+  return workdir
+
+
+def _listing(root):
+  return sorted((os.path.relpath(os.path.join(d, f), root), os.path.getsize(os.path.join(d, f)))
+                for d, _, fs in os.walk(root) for f in fs if f != ".lock")
+
+
+@pytest.mark.parametrize("change,named", [
+    (["--config.optimizer.grad_clip_norm=0"], "optimizer.grad_clip_norm: 1.0 -> 0.0"),
+    (["--config.optimizer.train_logit_scale=false"], "optimizer.train_logit_scale: True -> False"),
+])
+def test_an_optimizer_change_on_resume_stops_and_changes_nothing(tmp_path, tfds_dir, reference, change, named):
+  workdir = _copy(reference, tmp_path)
+  before = _listing(workdir)
+  proc = train(workdir, tfds_dir, "--config.total_steps=10", *change, check=False)
+  assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+  err = proc.stderr.strip().splitlines()[-1]  # above it: library warnings (TFDS's custom-config notice)
+  assert err.startswith(f"error: {workdir}/checkpoints/8 cannot be resumed with this config")
+  assert named in err and f"--config.init_from={workdir} --workdir NEW_DIR" in err
+  assert _listing(workdir) == before  # checkpoints, metrics.jsonl, everything as it was
+  assert not (workdir / "checkpoints_damaged").exists()
+
+
+def test_accumulation_and_dtype_changes_resume_and_are_logged(tmp_path, tfds_dir, reference):
+  """Neither changes the state's structure (parameters stay fp32; accumulation lives inside the step), so the run
+  continues from step 8, saying what changed."""
+  workdir = _copy(reference, tmp_path)
+  proc = train(workdir, tfds_dir, "--config.total_steps=10", "--config.grad_accum_steps=2",
+               "--config.dtype=bfloat16")
+  assert (f"resumed from {workdir}/checkpoints/8 (step 8); settings changed since that checkpoint: dtype: "
+          "'float32' -> 'bfloat16', grad_accum_steps: 1 -> 2") in proc.stdout
+  rows = metrics(workdir)
+  assert [r for r in rows if r["step"] <= 8] == reference[2]  # the history up to the checkpoint is kept as it was
+  assert sorted({r["step"] for r in rows if r["step"] > 8}) == [9, 10]
+
+
 def test_sigterm_checkpoints_and_exits(tmp_path, tfds_dir):
   args = [*BASE, "--workdir", str(tmp_path), f"--config.data.data_dir={tfds_dir}", "--config.total_steps=100000",
           "--config.checkpoint_every=100000"]

@@ -98,15 +98,53 @@ def test_full_objective_with_token_term_trains_and_resumes(tmp_path, tfds_dir):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("--config.loss.gama=0", 'Did you mean "gamma"'),
+    ("--config.loss.gama=0", "error: unknown config key --config.loss.gama; did you mean --config.loss.gamma?"),
+    ("--config.batch_sise=8", "error: unknown config key --config.batch_sise; did you mean --config.batch_size?"),
+    ("--config.optimizr.lr=1", "error: unknown config key --config.optimizr.lr; did you mean --config.optimizer.lr?"),
+    ("--config.batch_size=many", "error: flag --config.batch_size=many: invalid literal for int()"),
+    ("--workdr=/tmp/x", "error: Unknown command line flag 'workdr'; did you mean --workdir?"),
     ("--config.batch_size=0", "config.batch_size=0 must be positive"),
     ("--config.model.text_layers=-1", "config.model.text_layers=-1 must be positive"),
     ("--config.mesh.data=3", "multiplies to 3 but there are 1 devices"),
 ])
 def test_bad_config_is_named(tmp_path, override, message):
-  proc = run_py(["train.py", "--config", CONFIG, "--workdir", str(tmp_path), override], check=False)
-  assert proc.returncode != 0 and message in proc.stderr
-  assert "Traceback" not in proc.stderr or "gama" in override  # config_flags itself raises on unknown keys
+  proc = run_py(["train.py", "--config", CONFIG, "--workdir", str(tmp_path / "w"), override], check=False)
+  assert proc.returncode == 2 and message in proc.stderr
+  assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("config,message", [
+    ("configs/dmo.py", "error: cannot load the config file: [Errno 2] No such file or directory: 'configs/dmo.py'"),
+    ("configs/demo.py:tst", "configs/demo.py has variants 'default' and 'test', got 'tst'"),
+])
+def test_bad_config_file_is_one_line(tmp_path, config, message):
+  proc = run_py(["eval.py", "--config", config, "--workdir", str(tmp_path)], check=False)
+  assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--config.init_from={tmp}/nope", "config.init_from='{tmp}/nope': {tmp}/nope does not exist"),
+    ("--config.init_from={tmp}/weights.safetensors", "is a file but not an OpenAI-format checkpoint"),
+    ("--config.data.name=pairs", "set config.data.manual_dir"),
+    ("--config.data.manual_dir={tmp}/nope", "config.data.manual_dir='{tmp}/nope': {tmp}/nope is not a directory"),
+])
+def test_paths_are_checked_before_any_data_is_built(tmp_path, override, message):
+  (tmp_path / "weights.safetensors").write_bytes(b"")
+  extra = ["--config.data.name=pairs"] if "manual_dir" in override else []
+  data_dir = tmp_path / "tfds"
+  proc = run_py(["train.py", "--config", CONFIG, "--workdir", str(tmp_path / "w"), f"--config.data.data_dir={data_dir}",
+                 *extra, override.format(tmp=tmp_path)], check=False)
+  assert proc.returncode == 2 and message.format(tmp=tmp_path) in proc.stderr, proc.stderr
+  assert not data_dir.exists()  # nothing was built
+  w = tmp_path / "w"  # no model.json, tokenizer, data.json or checkpoints
+  assert not w.exists() or sorted(os.listdir(w)) in ([], [".lock"])
+
+
+def test_eval_of_a_directory_without_checkpoints_changes_nothing(tmp_path):
+  (tmp_path / "notes.txt").write_text("x")
+  proc = run_py(["eval.py", "--config", CONFIG, "--workdir", str(tmp_path)], check=False)
+  assert proc.returncode == 2 and f"no checkpoints in {tmp_path}/checkpoints" in proc.stderr
+  assert os.listdir(tmp_path) == ["notes.txt"]
 
 
 def test_unknown_key_in_config_file(tmp_path):

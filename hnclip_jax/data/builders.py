@@ -57,8 +57,17 @@ def _synthetic_config(d) -> SyntheticConfig:
                          image_size=d.image_size, seed=d.seed)
 
 
+def _manual_config(d) -> manual.ManualConfig:
+  """Keyed on the inputs: a changed or different manual folder is another config, so another build."""
+  base = "skip_bad" if d.on_bad_example == "skip" else "default"
+  fp = manual.input_fingerprint(d.manual_dir)
+  return manual.ManualConfig(name=f"{base}_{fp}", on_bad_example=d.on_bad_example,
+                             description=f"built from {os.path.abspath(os.path.expanduser(d.manual_dir))} "
+                                         f"(input fingerprint {fp})")
+
+
 def _manual(builder):
-  return (builder.name, lambda d: {"config": "skip_bad" if d.on_bad_example == "skip" else "default"}, True)
+  return (builder.name, lambda d: {"config": _manual_config(d)}, True)
 
 
 # config.data.name -> (TFDS builder name, config.data -> builder kwargs, needs config.data.manual_dir)
@@ -72,20 +81,61 @@ DATASETS = {
 }
 
 
-def data_source(data_config, split: str, decode_images: bool = True):
-  """Random-access source of `split` (prepared on first use): dicts with image uint8 [H,W,3], caption bytes, image_id."""
+def check_data_config(data_config) -> None:
+  """Raises naming the config key when the dataset is unknown or its manual folder is not set or missing."""
   if data_config.name not in DATASETS:
     raise ValueError(f"config.data.name={data_config.name!r} is not a known dataset; known: {sorted(DATASETS)}")
-  tfds_name, kwargs, manual_needed = DATASETS[data_config.name]
   if data_config.on_bad_example not in ("error", "skip"):
     raise ValueError(f"config.data.on_bad_example={data_config.on_bad_example!r}; choose 'error' or 'skip'")
+  tfds_name, _, manual_needed = DATASETS[data_config.name]
+  if manual_needed:
+    how = tfds.builder_cls(tfds_name).MANUAL_DOWNLOAD_INSTRUCTIONS
+    if not data_config.manual_dir:
+      raise ValueError(f"config.data.name={data_config.name!r} is built from files you download by hand: set "
+                       f"config.data.manual_dir.\n{how}")
+    path = os.path.abspath(os.path.expanduser(data_config.manual_dir))
+    if not os.path.isdir(path):
+      raise FileNotFoundError(f"config.data.manual_dir={data_config.manual_dir!r}: {path} is not a directory. "
+                              f"Download the data by hand and point manual_dir at it:\n{how}")
+
+
+_reported: set = set()
+
+
+def _report_build(builder, data_config) -> None:
+  """Says once per process whether the build for these inputs exists (reused) or is made now, and why."""
+  where = str(builder.data_path)
+  if where in _reported:
+    return
+  _reported.add(where)
+  name = builder.builder_config.name
+  if builder.is_prepared():
+    why = (f"manual folder {data_config.manual_dir} unchanged" if DATASETS[data_config.name][2]
+           else "same settings")
+    print(f"data: reusing the {builder.name} build in {where} ({why})", flush=True)
+    return
+  reason = "no build for these inputs yet"
+  if DATASETS[data_config.name][2]:
+    base = name.rsplit("_", 1)[0]
+    parent = os.path.dirname(os.path.dirname(where))
+    others = sorted(d for d in (os.listdir(parent) if os.path.isdir(parent) else [])
+                    if d.startswith(base + "_") and d != name)
+    if others:
+      reason = (f"the manual folder {data_config.manual_dir} differs from what the earlier build(s) "
+                f"{', '.join(others)} in {parent} were made from (files, sizes, times or index contents)")
+  print(f"data: building {builder.name} into {where}: {reason}", flush=True)
+
+
+def data_source(data_config, split: str, decode_images: bool = True):
+  """Random-access source of `split` (prepared on first use): dicts with image uint8 [H,W,3], caption bytes, image_id."""
+  check_data_config(data_config)
+  tfds_name, kwargs, manual_needed = DATASETS[data_config.name]
   builder_kwargs = {**kwargs(data_config), "file_format": "array_record"}
   prepare = {}
   if manual_needed:
-    if not data_config.manual_dir:
-      raise ValueError(f"config.data.name={data_config.name!r} is built from files you download by hand: set "
-                       f"config.data.manual_dir.\n{tfds.builder_cls(tfds_name).MANUAL_DOWNLOAD_INSTRUCTIONS}")
     prepare = {"download_config": tfds.download.DownloadConfig(manual_dir=os.path.expanduser(data_config.manual_dir))}
+  if jax.process_index() == 0:
+    _report_build(tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **builder_kwargs), data_config)
   if jax.process_count() > 1:  # one process prepares, the others wait and then only read
     if jax.process_index() == 0:
       tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **builder_kwargs).download_and_prepare(**prepare)

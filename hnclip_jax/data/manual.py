@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import glob
+import hashlib
 import io
 import json
 import os
@@ -18,6 +19,29 @@ import tensorflow_datasets as tfds
 from PIL import Image
 
 MAX_REPORTED = 5
+
+
+# Files whose content (not only name, size and mtime) goes into a manual folder's fingerprint: the index files.
+INDEX_SUFFIXES = (".json", ".jsonl", ".jsonlines", ".csv", ".tsv", ".txt")
+INDEX_MAX_BYTES = 256 << 20
+
+
+def input_fingerprint(manual_dir: str) -> str:
+  """A hash of what a build reads: the folder's absolute path, every file's relative name, size and modification
+  time, and the content of the index files (pairs.json, *.jsonlines, *.csv, captions). A change to any of them
+  gives another build."""
+  root = os.path.abspath(os.path.expanduser(manual_dir))
+  h = hashlib.sha256(root.encode())
+  for d, dirs, files in os.walk(root, followlinks=True):
+    dirs.sort()
+    for name in sorted(files):
+      path = os.path.join(d, name)
+      st = os.stat(path)
+      h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+      if name.lower().endswith(INDEX_SUFFIXES) and st.st_size <= INDEX_MAX_BYTES:
+        with open(path, "rb") as f:
+          h.update(hashlib.sha256(f.read()).digest())
+  return h.hexdigest()[:16]
 
 
 class BadExample(ValueError):

@@ -10,14 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hnclip_jax import workdir as workdir_format
 from hnclip_jax.data import pipeline
-from hnclip_jax.data.tokenizer import load_tokenizer
 from hnclip_jax.models import CLIPConfig, abstract_model, bind
 from hnclip_jax.pretrained import weights
 from hnclip_jax.pretrained.clip_tokenizer import CLIPTokenizer
 from hnclip_jax.pretrained.weights import stretch_positions
-
-MODEL_JSON = "model.json"  # in converted directories and train.py workdirs: the resolved CLIPConfig
 
 __all__ = ["Pretrained", "load", "stretch_positions", "CLIPTokenizer"]
 
@@ -96,11 +94,10 @@ class Pretrained:
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(os.path.join(out_dir, "params"), self.params, force=True)
-    with open(os.path.join(out_dir, MODEL_JSON), "w") as f:
-      json.dump(dataclasses.asdict(self.config), f, indent=2)
+      ckptr.save(os.path.join(out_dir, workdir_format.PARAMS), self.params, force=True)
+    workdir_format.write_model(out_dir, self.config)
     if self.tokenizer is not None:
-      self.tokenizer.save(os.path.join(out_dir, "tokenizer"))
+      workdir_format.write_tokenizer(out_dir, self.tokenizer)
 
 
 def _tokenizer_near(directory: str, context: int):
@@ -112,46 +109,63 @@ def _tokenizer_near(directory: str, context: int):
 
 def _load_converted(path: str) -> Pretrained:
   import orbax.checkpoint as ocp
-  with open(os.path.join(path, MODEL_JSON)) as f:
-    cfg = CLIPConfig.from_dict(json.load(f)).validate()
+  cfg = workdir_format.read_model(path)
   _, abstract = abstract_model(cfg)
   with ocp.StandardCheckpointer() as ckptr:
-    params = ckptr.restore(os.path.join(path, "params"), abstract)
-  tok_dir = os.path.join(path, "tokenizer")
-  return Pretrained(cfg, params, load_tokenizer(tok_dir) if os.path.isdir(tok_dir) else None, path)
+    params = ckptr.restore(os.path.join(path, workdir_format.PARAMS), abstract)
+  return Pretrained(cfg, params, workdir_format.read_tokenizer(path, required=False), path)
 
 
 def _load_workdir(path: str) -> Pretrained:
-  from hnclip_jax import checkpoint
-  ckpt = checkpoint.Checkpointer(os.path.join(path, "checkpoints"))
-  step = ckpt.latest_step()
-  if step is None:
+  wd = workdir_format.Workdir(path)
+  steps = wd.checkpoint_steps()
+  if not steps:
     raise FileNotFoundError(f"{path} looks like a train.py workdir but has no checkpoint yet")
-  cfg = CLIPConfig.from_dict(ckpt.read_meta(step)["model"]).validate()
+  ckpt = wd.checkpointer(read_only=True)
+  step = steps[-1]
+  meta = ckpt.read_meta(step)
+  cfg = CLIPConfig.from_dict(meta["model"]).validate()
   _, abstract = abstract_model(cfg)
   params = ckpt.restore_params(step, jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
       abstract))
   ckpt.close()
-  return Pretrained(cfg, jax.device_get(params), load_tokenizer(os.path.join(path, "tokenizer")),
-                    f"{path} (step {step})")
+  return Pretrained(cfg, jax.device_get(params), wd.tokenizer(), f"{path} (step {step})")
+
+
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+def check_source(path: str, what: str = "path") -> None:
+  """Cheap check (nothing is read) that `path` is something `load` reads; raises naming `what` and the fix."""
+  full = os.path.abspath(os.path.expanduser(path))
+  if not os.path.exists(full):
+    raise FileNotFoundError(f"{what}={path!r}: {full} does not exist; expected a Hugging Face CLIP directory, an "
+                            "OpenAI-format .pt file, a converted directory or a train.py workdir")
+  if os.path.isdir(full):
+    if workdir_format.is_converted(full) or os.path.exists(os.path.join(full, "config.json")):
+      return
+    if workdir_format.is_workdir(full):
+      if not workdir_format.Workdir(full).checkpoint_steps():
+        raise FileNotFoundError(f"{what}={path!r} is a train.py workdir without any checkpoint yet")
+      return
+    raise FileNotFoundError(f"{what}={path!r}: no config.json (Hugging Face), model.json + params/ (converted) or "
+                            "checkpoints/ (train.py workdir) inside")
+  if not full.endswith(WEIGHT_SUFFIXES):
+    raise ValueError(f"{what}={path!r} is a file but not an OpenAI-format checkpoint ({', '.join(WEIGHT_SUFFIXES)}); "
+                     "for Hugging Face weights pass their directory")
 
 
 def load(path: str) -> Pretrained:
   """Loads CLIP weights from any supported source (see the module docstring); the architecture is inferred."""
   path = os.path.abspath(os.path.expanduser(path))
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} does not exist; expected a Hugging Face CLIP directory, an OpenAI-format .pt "
-                            "file, a converted directory or a train.py workdir")
+  check_source(path)
   if os.path.isdir(path):
-    if os.path.exists(os.path.join(path, MODEL_JSON)) and os.path.isdir(os.path.join(path, "params")):
+    if workdir_format.is_converted(path):
       return _load_converted(path)
-    if os.path.isdir(os.path.join(path, "checkpoints")):
+    if workdir_format.is_workdir(path):
       return _load_workdir(path)
-    if os.path.exists(os.path.join(path, "config.json")):
-      cfg, params = weights.read_hf_directory(path)
-      return Pretrained(cfg, params, _tokenizer_near(path, cfg.text_context), path)
-    raise FileNotFoundError(f"{path}: no config.json (Hugging Face), model.json + params/ (converted) or "
-                            "checkpoints/ (train.py workdir) inside")
+    cfg, params = weights.read_hf_directory(path)
+    return Pretrained(cfg, params, _tokenizer_near(path, cfg.text_context), path)
   cfg, params = weights.read_openai_file(path)
   return Pretrained(cfg, params, _tokenizer_near(os.path.dirname(path), cfg.text_context), path)

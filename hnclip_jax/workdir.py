@@ -1,0 +1,191 @@
+"""The on-disk formats of a train.py workdir and of a converted weights directory: their one reader and writer.
+
+    WORKDIR/                       written by train.py, read by train.py (resume), eval.py and pretrained.load
+      model.json                   the resolved architecture (CLIPConfig without the runtime fields)
+      tokenizer/                   the tokenizer the run uses (fitted on the training captions, or the weights')
+      data.json                    the data config the run trains on (written at the first start)
+      checkpoints/<step>/          Orbax: `state` and `meta` (hnclip_jax/checkpoint.py)
+      checkpoints_damaged/         checkpoints found damaged, set aside for inspection
+      metrics.jsonl, tensorboard/  training metrics
+      eval_results.json            the latest eval.py result; eval_history.jsonl: every eval.py result, one a line
+
+    CONVERTED/                     python -m hnclip_jax.pretrained.convert, Pretrained.save
+      model.json, params/ (Orbax), tokenizer/
+
+Every check that a config fits a workdir (model, data, the state's structure) lives here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+
+from hnclip_jax.config import RUNTIME_FIELDS, flatten
+from hnclip_jax.data.tokenizer import load_tokenizer
+from hnclip_jax.models import CLIPConfig
+
+MODEL_JSON = "model.json"
+TOKENIZER = "tokenizer"
+DATA_JSON = "data.json"
+CHECKPOINTS = "checkpoints"
+PARAMS = "params"
+EVAL_RESULTS = "eval_results.json"
+EVAL_HISTORY = "eval_history.jsonl"
+
+# Config keys that never change what a run computes or stores: not worth naming when a resume differs.
+BOOKKEEPING = ("total_steps", "log_every", "checkpoint_every", "eval_every", "max_to_keep", "eval_batch_size",
+               "workers", "compilation_cache_dir", "async_checkpointing", "init_from", "data.data_dir")
+BOOKKEEPING_PREFIXES = ("diagnostics.",)
+# A data config's identity: every data key except where its build is stored.
+DATA_LOCATION_KEYS = ("data_dir",)
+
+
+def _write_json(path: str, obj) -> None:
+  """Atomic: a reader sees the old file or the new one, never half of one."""
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(tmp, path)
+
+
+def read_model(directory: str) -> CLIPConfig | None:
+  path = os.path.join(directory, MODEL_JSON)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return CLIPConfig.from_dict(json.load(f)).validate()
+
+
+def write_model(directory: str, cfg: CLIPConfig) -> None:
+  _write_json(os.path.join(directory, MODEL_JSON),
+              {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUNTIME_FIELDS})
+
+
+def read_tokenizer(directory: str, required: bool = True):
+  path = os.path.join(directory, TOKENIZER)
+  if not os.path.isdir(path):
+    if required:
+      raise FileNotFoundError(f"no tokenizer in {path}")
+    return None
+  return load_tokenizer(path)
+
+
+def write_tokenizer(directory: str, tokenizer) -> None:
+  tokenizer.save(os.path.join(directory, TOKENIZER))
+
+
+def is_converted(directory: str) -> bool:
+  return os.path.exists(os.path.join(directory, MODEL_JSON)) and os.path.isdir(os.path.join(directory, PARAMS))
+
+
+def is_workdir(directory: str) -> bool:
+  return os.path.isdir(os.path.join(directory, CHECKPOINTS))
+
+
+def check_model_compatible(saved: dict | None, model_cfg: CLIPConfig, where: str) -> None:
+  """Raises if a saved model description (model.json or a checkpoint's meta) differs from `model_cfg`."""
+  if saved is None:
+    raise ValueError(f"{where} has no model config in its metadata; it was not written by hnclip_jax")
+  mine = dataclasses.asdict(model_cfg)
+  # A field the checkpoint predates has its default (e.g. token_projection, added after the first workdirs).
+  saved = {**{f.name: f.default for f in dataclasses.fields(CLIPConfig)}, **saved}
+  diffs = [f"model.{k}: checkpoint={saved.get(k)!r}, config={v!r}" for k, v in mine.items()
+           if k not in RUNTIME_FIELDS and saved.get(k) != v]
+  if diffs:
+    raise ValueError(f"{where} was written for a different model: " + "; ".join(diffs) +
+                     ". Use the config it was trained with, or a fresh --workdir "
+                     "(--config.init_from=THAT_WORKDIR takes its parameters into a new run).")
+
+
+def config_changes(saved: dict | None, config, *, bookkeeping: bool = False) -> list[str]:
+  """['key: saved -> now', ...] between a checkpoint's recorded run config and `config` (bookkeeping keys such as
+  total_steps left out unless asked for)."""
+  if not saved:
+    return []
+  old = flatten(saved)
+  new = flatten(json.loads(config.to_json()) if hasattr(config, "to_json") else config)
+  out = []
+  for k in sorted(set(old) | set(new)):
+    if not bookkeeping and (k in BOOKKEEPING or k.startswith(BOOKKEEPING_PREFIXES)):
+      continue
+    if k in old and k in new and old[k] != new[k]:
+      out.append(f"{k}: {old[k]!r} -> {new[k]!r}")
+    elif k in old and k not in new:
+      out.append(f"{k}: {old[k]!r} -> (not in this config)")
+    elif k not in old and k in new:
+      out.append(f"{k}: (not recorded) -> {new[k]!r}")
+  return out
+
+
+class Workdir:
+  """A train.py workdir (see the module docstring). Reading never creates anything on disk."""
+
+  def __init__(self, path: str):
+    self.path = os.path.abspath(os.path.expanduser(path))
+    self.checkpoints = os.path.join(self.path, CHECKPOINTS)
+    self.model_json = os.path.join(self.path, MODEL_JSON)
+    self.data_json = os.path.join(self.path, DATA_JSON)
+    self.tokenizer_dir = os.path.join(self.path, TOKENIZER)
+    self.eval_results = os.path.join(self.path, EVAL_RESULTS)
+    self.eval_history = os.path.join(self.path, EVAL_HISTORY)
+
+  # ---- model and tokenizer ----
+  def model(self) -> CLIPConfig | None:
+    return read_model(self.path)
+
+  def tokenizer(self, required: bool = True):
+    return read_tokenizer(self.path, required)
+
+  def save_model(self, cfg: CLIPConfig, tokenizer) -> None:
+    if jax.process_index() == 0:
+      os.makedirs(self.path, exist_ok=True)
+      write_tokenizer(self.path, tokenizer)
+      write_model(self.path, cfg)
+
+  # ---- data ----
+  def data(self) -> dict | None:
+    """The data config recorded at the run's first start, or None (a workdir from before data.json existed)."""
+    if not os.path.exists(self.data_json):
+      return None
+    with open(self.data_json) as f:
+      return json.load(f)["data"]
+
+  def save_data(self, data_config: dict) -> None:
+    if jax.process_index() == 0:
+      _write_json(self.data_json, {"data": dict(data_config)})
+
+  # ---- checkpoints ----
+  def checkpoint_steps(self) -> list[int]:
+    """Steps with a finished checkpoint directory (no Orbax manager, nothing created)."""
+    if not os.path.isdir(self.checkpoints):
+      return []
+    return sorted(int(d) for d in os.listdir(self.checkpoints)
+                  if d.isdigit() and os.path.isdir(os.path.join(self.checkpoints, d)))
+
+  def checkpointer(self, *, max_to_keep: int = 3, async_save: bool = True, read_only: bool = False):
+    from hnclip_jax import checkpoint
+    if read_only and not os.path.isdir(self.checkpoints):
+      raise FileNotFoundError(f"no checkpoints in {self.checkpoints}; train first with "
+                              f"train.py --workdir {self.path}")
+    return checkpoint.Checkpointer(self.checkpoints, max_to_keep=max_to_keep, async_save=async_save,
+                                   create=not read_only)
+
+  # ---- eval results ----
+  def record_eval(self, result: dict, details: dict | None = None) -> None:
+    """Appends `result` and `details` (e.g. the full data config) to eval_history.jsonl (never rewritten) and
+    makes `result` eval_results.json (the latest)."""
+    if jax.process_index() != 0:
+      return
+    row = {**result, **(details or {}), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    with open(self.eval_history, "a") as f:
+      f.write(json.dumps(row) + "\n")
+    _write_json(self.eval_results, result)
+
+  def eval_records(self) -> list[dict]:
+    if not os.path.exists(self.eval_history):
+      return []
+    with open(self.eval_history) as f:
+      return [json.loads(line) for line in f if line.strip()]
