@@ -19,6 +19,8 @@ import sys
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from hnclip_jax import workdir  # noqa: E402  (the workdir layout)
 
 
 def run(args, log):
@@ -78,7 +80,7 @@ def main():
               for lam in token_weights for g in (0.0, 0.5) for s in seeds}
   small = os.path.join(out, "ft_gamma0.5_20pct")
   if not a.report_only:
-    if not os.path.exists(os.path.join(pre, "model.json")) or not rows(pre)[-1:] or \
+    if not os.path.exists(os.path.join(pre, workdir.MODEL_JSON)) or not rows(pre)[-1:] or \
         rows(pre)[-1]["step"] < pre_steps:
       run([*common, "--workdir", pre, "--config.loss.gamma=0", f"--config.total_steps={pre_steps}"],
           os.path.join(out, "pretrain.log"))

@@ -309,6 +309,11 @@ def test_convert_then_load_without_torch_and_fine_tune(tmp_path, hf_vocab_dir, t
           "--config.checkpoint_every=2", "--config.eval_every=2"])
   tuned = pretrained.load(str(work))
   assert tuned.config.vision_width == 40 and tuned.config.text_context == 77
+  assert tuned.source.endswith("(step 2)") and pretrained.load(str(work), step=2).source == tuned.source
+  with pytest.raises(ValueError, match=r"no checkpoint of step 5; available steps: \[2\]"):
+    pretrained.load(str(work), step=5)
+  with pytest.raises(ValueError, match="is not a train.py workdir"):
+    pretrained.load(str(out), step=2)
   src_params = pretrained.load(str(out)).params
   import jax
   for a, b in zip(jax.tree.leaves(tuned.params), jax.tree.leaves(src_params)):
@@ -322,6 +327,27 @@ def test_convert_then_load_without_torch_and_fine_tune(tmp_path, hf_vocab_dir, t
           f"--config.init_from={work}"])
   with open(work2 / "eval_results.json") as f:
     assert json.load(f)["step"] == 2
+
+
+def test_encoders_run_in_fixed_batches(tmp_path):
+  """Any number of inputs goes through one compiled program per encoder (padded batches), with the same
+  embeddings as one unbatched call."""
+  model = hf_model(seed=4, context=77, vocab=49408)
+  src = tmp_path / "hf"
+  model.save_pretrained(src)
+  write_hf_vocab(str(src))
+  m = pretrained.load(str(src))
+  m.batch_size = 4
+  texts = [t for t in corpus() if t.strip()][:10]
+  pixels = np.random.default_rng(0).normal(size=(10, 32, 32, 3)).astype(np.float32)
+  few, many = m.encode_texts(texts[:3]), m.encode_texts(texts)
+  imgs_few, imgs_many = m.encode_pixels(pixels[:2]), m.encode_pixels(pixels)
+  assert m._txt._cache_size() == 1 and m._img._cache_size() == 1  # 3, 10 -> one program each
+  assert many.shape == (10, m.config.embed_dim) and imgs_many.shape == (10, m.config.embed_dim)
+  np.testing.assert_allclose(many, np.asarray(m._txt(m.params, m.tokenize(texts))), atol=1e-6)
+  np.testing.assert_allclose(imgs_many, np.asarray(m._img(m.params, pixels)), atol=1e-6)
+  np.testing.assert_allclose(few, many[:3], atol=1e-6)
+  np.testing.assert_allclose(imgs_few, imgs_many[:2], atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------- bad input

@@ -51,11 +51,24 @@ class Pretrained:
     """PIL images or uint8 [H, W, 3] arrays -> float32 [N, image_size, image_size, 3] (CLIP preprocessing)."""
     return np.stack([pipeline.clip_preprocess(im, self.config.image_size) for im in images])
 
+  batch_size: int = 64  # encoders run in batches of this size (the last one padded): one compile, bounded memory
+
+  def _batched(self, fn, x: np.ndarray) -> np.ndarray:
+    n, b = len(x), self.batch_size
+    out = []
+    for i in range(0, max(n, 1), b):
+      chunk = x[i:i + b]
+      pad = b - len(chunk)
+      if pad:
+        chunk = np.concatenate([chunk, np.zeros((pad, *x.shape[1:]), x.dtype)])
+      out.append(np.asarray(fn(self.params, chunk))[:b - pad])
+    return np.concatenate(out)[:n]
+
   def encode_pixels(self, pixels) -> np.ndarray:
-    return np.asarray(self._img(self.params, jnp.asarray(pixels, jnp.float32)))
+    return self._batched(self._img, np.asarray(pixels, np.float32))
 
   def encode_tokens(self, tokens) -> np.ndarray:
-    return np.asarray(self._txt(self.params, jnp.asarray(tokens, jnp.int32)))
+    return self._batched(self._txt, np.asarray(tokens, np.int32))
 
   def encode_images(self, images) -> np.ndarray:
     return self.encode_pixels(self.preprocess(images))
@@ -116,13 +129,15 @@ def _load_converted(path: str) -> Pretrained:
   return Pretrained(cfg, params, workdir_format.read_tokenizer(path, required=False), path)
 
 
-def _load_workdir(path: str) -> Pretrained:
+def _load_workdir(path: str, step: int | None = None) -> Pretrained:
   wd = workdir_format.Workdir(path)
   steps = wd.checkpoint_steps()
   if not steps:
     raise FileNotFoundError(f"{path} looks like a train.py workdir but has no checkpoint yet")
+  if step is not None and step not in steps:
+    raise ValueError(f"{path}: no checkpoint of step {step}; available steps: {steps}")
   ckpt = wd.checkpointer(read_only=True)
-  step = steps[-1]
+  step = steps[-1] if step is None else step
   meta = ckpt.read_meta(step)
   cfg = CLIPConfig.from_dict(meta["model"]).validate()
   _, abstract = abstract_model(cfg)
@@ -156,15 +171,18 @@ def check_source(path: str, what: str = "path") -> None:
                      "for Hugging Face weights pass their directory")
 
 
-def load(path: str) -> Pretrained:
-  """Loads CLIP weights from any supported source (see the module docstring); the architecture is inferred."""
+def load(path: str, step: int | None = None) -> Pretrained:
+  """Loads CLIP weights from any supported source (see the module docstring); the architecture is inferred.
+  `step`: which checkpoint of a train.py workdir (default: the newest); only for workdirs."""
   path = os.path.abspath(os.path.expanduser(path))
   check_source(path)
+  if step is not None and not (os.path.isdir(path) and workdir_format.is_workdir(path)):
+    raise ValueError(f"step={step} was given, but {path} is not a train.py workdir (only workdirs have steps)")
   if os.path.isdir(path):
     if workdir_format.is_converted(path):
       return _load_converted(path)
     if workdir_format.is_workdir(path):
-      return _load_workdir(path)
+      return _load_workdir(path, step)
     cfg, params = weights.read_hf_directory(path)
     return Pretrained(cfg, params, _tokenizer_near(path, cfg.text_context), path)
   cfg, params = weights.read_openai_file(path)
