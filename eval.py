@@ -10,7 +10,6 @@ if __name__ == "__main__":  # first, before anything imports JAX: re-exec under 
   from hnclip_jax import hostmem
   hostmem.use_tcmalloc()
 
-import json
 import os
 
 from absl import app, flags

@@ -123,7 +123,7 @@ def test_no_reexec_where_it_would_restart_the_session(tmp_path, how, reason):
   lib = _a_preloadable_library()
   starts, info, err = _probe(tmp_path, lib, lib, how=how)
   assert starts == 1 and not info["mapped"]  # ran once, to the end, in this process
-  assert f"HNCLIP_TCMALLOC ignored" in err and reason in err
+  assert "HNCLIP_TCMALLOC ignored" in err and reason in err
 
 
 def test_entry_point_rejects_a_missing_library_path(tmp_path):

@@ -3,7 +3,6 @@ converted directories (`python -m hnclip_jax.pretrained.convert`) and train.py w
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import jax
