@@ -329,6 +329,38 @@ def test_convert_then_load_without_torch_and_fine_tune(tmp_path, hf_vocab_dir, t
     assert json.load(f)["step"] == 2
 
 
+def test_export_to_hugging_face(tmp_path):
+  """import -> export -> transformers: same embeddings (1e-5); -> import again: bit-identical parameters; the
+  exported vocabulary tokenizes like ours in transformers' CLIPTokenizer."""
+  model = hf_model(seed=8, context=77, vocab=49408)
+  src = tmp_path / "hf"
+  model.save_pretrained(src)
+  write_hf_vocab(str(src))
+  out = tmp_path / "exported"
+  proc = run_py(["-m", "hnclip_jax.pretrained.export", str(src), str(out)])
+  assert f"wrote {out}" in proc.stdout and "warning" not in proc.stdout
+  back = transformers.CLIPModel.from_pretrained(out)
+  ours = pretrained.load(str(src))
+  pixels, ids = inputs(context=77, seed=3)
+  ids = np.where(ids == 298, 49406, np.where(ids == 299, 49407, ids))  # CLIP's start / end tokens
+  want_img, want_txt = hf_embeddings(back, pixels, ids)
+  np.testing.assert_allclose(ours.encode_pixels(pixels), want_img, atol=1e-5)
+  np.testing.assert_allclose(ours.encode_tokens(ids), want_txt, atol=1e-5)
+  again = pretrained.load(str(out))
+  import jax
+  assert jax.tree.structure(again.params) == jax.tree.structure(ours.params)
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(ours.params)))
+  processor = transformers.CLIPProcessor.from_pretrained(out)  # tokenizer + image processor from the export
+  for text in ["a photo of a cat", "Two RED circles, left of a blue square."]:
+    row = processor.tokenizer(text)["input_ids"]
+    assert list(ours.tokenize([text])[0][:len(row)]) == row
+  yy, xx = np.mgrid[0:90, 0:120]
+  image = Image.fromarray(np.stack([(xx * 2) % 255, (yy * 3) % 255, (xx + yy) % 255], -1).astype(np.uint8))
+  want = processor(images=[image], return_tensors="np")["pixel_values"].transpose(0, 2, 3, 1)
+  diff = np.abs(ours.preprocess([image]) - want)
+  assert want.shape == (1, 32, 32, 3) and diff.max() <= 1e-2 and diff.mean() <= 2e-3  # as the preprocessing test
+
+
 def test_encoders_run_in_fixed_batches(tmp_path):
   """Any number of inputs goes through one compiled program per encoder (padded batches), with the same
   embeddings as one unbatched call."""
