@@ -116,6 +116,8 @@ def main(argv):
   if len(argv) != 3:
     raise app.UsageError("usage: python -m hnclip_jax.pretrained.export SOURCE OUT_DIR [--step N]")
   from hnclip_jax import pretrained
+  from hnclip_jax.metrics import quiet_libraries
+  quiet_libraries()  # Orbax logs every file operation at INFO
   model = pretrained.load(argv[1], step=flags.FLAGS.step)
   for w in export_hf(model, argv[2]):
     print(f"warning: {w}")
