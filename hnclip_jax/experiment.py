@@ -100,7 +100,7 @@ def resolve_data(config, wd: Workdir, overrides: dict, *, training: bool):
              and k in stored and stored[k] != config.data[k]]
   if ignored:
     notes.append("the config file's " + ", ".join(ignored) + " ignored")
-  data.update({k: v for k, v in explicit.items() if training is False or k in DATA_LOCATION_KEYS})
+  data.update({k: v for k, v in explicit.items() if not training or k in DATA_LOCATION_KEYS})
   if not training and any(data.get(k) != stored.get(k) for k in stored if k not in DATA_LOCATION_KEYS):
     notes.append(f"not the data it was trained on, {describe_data(stored)}")
   config = copy.deepcopy(config)

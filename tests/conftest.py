@@ -69,6 +69,12 @@ def run_py(args, *, devices: int = 1, timeout: int = 600, check: bool = True, en
   return proc
 
 
+def listing(root):
+  """Every file under `root` (but a lock file) with its size: 'nothing on disk changed' is this staying equal."""
+  return sorted((os.path.relpath(os.path.join(d, f), root), os.path.getsize(os.path.join(d, f)))
+                for d, _, fs in os.walk(root) for f in fs if f != ".lock")
+
+
 @pytest.fixture(scope="session")
 def tfds_dir(tmp_path_factory):
   """One TFDS data dir shared by every test (synthetic datasets are built once)."""

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, _env, run_py
+from conftest import ROOT, _env, listing, run_py
 
 BASE = ["train.py", "--config", "configs/demo.py:test", "--config.total_steps=8", "--config.checkpoint_every=2",
         "--config.log_every=1", "--config.eval_every=100", "--config.max_to_keep=10"]
@@ -102,24 +102,19 @@ def _copy(reference, tmp_path):
   return workdir
 
 
-def _listing(root):
-  return sorted((os.path.relpath(os.path.join(d, f), root), os.path.getsize(os.path.join(d, f)))
-                for d, _, fs in os.walk(root) for f in fs if f != ".lock")
-
-
 @pytest.mark.parametrize("change,named", [
     (["--config.optimizer.grad_clip_norm=0"], "optimizer.grad_clip_norm: 1.0 -> 0.0"),
     (["--config.optimizer.train_logit_scale=false"], "optimizer.train_logit_scale: True -> False"),
 ])
 def test_an_optimizer_change_on_resume_stops_and_changes_nothing(tmp_path, tfds_dir, reference, change, named):
   workdir = _copy(reference, tmp_path)
-  before = _listing(workdir)
+  before = listing(workdir)
   proc = train(workdir, tfds_dir, "--config.total_steps=10", *change, check=False)
   assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
   err = proc.stderr.strip().splitlines()[-1]  # above it: library warnings (TFDS's custom-config notice)
   assert err.startswith(f"error: {workdir}/checkpoints/8 cannot be resumed with this config")
   assert named in err and f"--config.init_from={workdir} --workdir NEW_DIR" in err
-  assert _listing(workdir) == before  # checkpoints, metrics.jsonl, everything as it was
+  assert listing(workdir) == before  # checkpoints, metrics.jsonl, everything as it was
   assert not (workdir / "checkpoints_damaged").exists()
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from hnclip_jax import checkpoint, experiment, workdir as workdir_lib
 from hnclip_jax.config import base_config
+from conftest import listing
 
 
 def _state(tx):
@@ -21,12 +22,6 @@ def _state(tx):
 def _abstract(state):
   dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), state)
-
-
-def _listing(root):
-  """Every path under root with its size: 'nothing on disk changed' is this staying equal."""
-  return sorted((os.path.relpath(os.path.join(d, f), root), os.path.getsize(os.path.join(d, f)))
-                for d, _, fs in os.walk(root) for f in fs)
 
 
 CLIPPED = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
@@ -52,13 +47,13 @@ def test_an_intact_checkpoint_restores(saved):
 
 def test_another_optimizer_is_incompatible_and_nothing_moves(saved):
   ck, state, root = saved
-  before = _listing(root)
+  before = listing(root)
   other = _state(optax.adamw(1e-3))  # no clipping: a differently structured optimizer state
   with pytest.raises(checkpoint.IncompatibleCheckpoint) as e:
     ck.restore_latest_intact(_abstract(other))
   assert e.value.where.endswith("checkpoints/2")
   assert any("in the checkpoint are not in this run's state" in d for d in e.value.differences)
-  assert _listing(root) == before and not os.path.exists(root / "checkpoints_damaged")
+  assert listing(root) == before and not os.path.exists(root / "checkpoints_damaged")
 
 
 def test_other_shapes_are_incompatible(saved):
@@ -73,12 +68,12 @@ def test_other_shapes_are_incompatible(saved):
 
 def test_a_persistent_io_error_is_retried_then_stops_without_setting_aside(saved, monkeypatch):
   ck, state, root = saved
-  before = _listing(root)
+  before = listing(root)
   monkeypatch.setenv("HNCLIP_FAULT", "restore_io@2")
   with pytest.raises(checkpoint.CheckpointError, match=r"checkpoints/2 failed 3 times with a storage error.*"
                                                        r"Input/output error.*Nothing was moved"):
     ck.restore_latest_intact(_abstract(state))
-  assert _listing(root) == before and not os.path.exists(root / "checkpoints_damaged")
+  assert listing(root) == before and not os.path.exists(root / "checkpoints_damaged")
 
 
 def test_a_passing_io_error_is_retried_and_restores(saved, monkeypatch):
