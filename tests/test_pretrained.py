@@ -329,10 +329,22 @@ def test_convert_then_load_without_torch_and_fine_tune(tmp_path, hf_vocab_dir, t
     assert json.load(f)["step"] == 2
 
 
-def test_export_to_hugging_face(tmp_path):
-  """import -> export -> transformers: same embeddings (1e-5); -> import again: bit-identical parameters; the
-  exported vocabulary tokenizes like ours in transformers' CLIPTokenizer."""
-  model = hf_model(seed=8, context=77, vocab=49408)
+def clip_inputs(context, seed):
+  pixels, ids = inputs(context=context, seed=seed)
+  return pixels, np.where(ids == 298, 49406, np.where(ids == 299, 49407, ids))  # CLIP's start / end tokens
+
+
+def same_params(a, b):
+  import jax
+  assert jax.tree.structure(a.params) == jax.tree.structure(b.params)
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)))
+
+
+@pytest.mark.parametrize("context", [77, 248])
+def test_export_to_hugging_face(tmp_path, context):
+  """import -> export -> transformers: same embeddings (1e-5, also at Long-CLIP's 248 tokens); -> import again:
+  bit-identical parameters; the exported vocabulary tokenizes like ours in transformers' CLIPTokenizer."""
+  model = hf_model(seed=8, context=context, vocab=49408)
   src = tmp_path / "hf"
   model.save_pretrained(src)
   write_hf_vocab(str(src))
@@ -340,25 +352,100 @@ def test_export_to_hugging_face(tmp_path):
   proc = run_py(["-m", "hnclip_jax.pretrained.export", str(src), str(out)])
   assert f"wrote {out}" in proc.stdout and "warning" not in proc.stdout
   back = transformers.CLIPModel.from_pretrained(out)
+  assert back.config.text_config.max_position_embeddings == context
   ours = pretrained.load(str(src))
-  pixels, ids = inputs(context=77, seed=3)
-  ids = np.where(ids == 298, 49406, np.where(ids == 299, 49407, ids))  # CLIP's start / end tokens
+  pixels, ids = clip_inputs(context, seed=3)
   want_img, want_txt = hf_embeddings(back, pixels, ids)
   np.testing.assert_allclose(ours.encode_pixels(pixels), want_img, atol=1e-5)
   np.testing.assert_allclose(ours.encode_tokens(ids), want_txt, atol=1e-5)
-  again = pretrained.load(str(out))
-  import jax
-  assert jax.tree.structure(again.params) == jax.tree.structure(ours.params)
-  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(ours.params)))
+  same_params(pretrained.load(str(out)), ours)
   processor = transformers.CLIPProcessor.from_pretrained(out)  # tokenizer + image processor from the export
   for text in ["a photo of a cat", "Two RED circles, left of a blue square."]:
     row = processor.tokenizer(text)["input_ids"]
     assert list(ours.tokenize([text])[0][:len(row)]) == row
+  if context != 77:
+    return  # the image side does not depend on the text context
   yy, xx = np.mgrid[0:90, 0:120]
   image = Image.fromarray(np.stack([(xx * 2) % 255, (yy * 3) % 255, (xx + yy) % 255], -1).astype(np.uint8))
   want = processor(images=[image], return_tensors="np")["pixel_values"].transpose(0, 2, 3, 1)
   diff = np.abs(ours.preprocess([image]) - want)
   assert want.shape == (1, 32, 32, 3) and diff.max() <= 1e-2 and diff.mean() <= 2e-3  # as the preprocessing test
+
+
+@pytest.mark.parametrize("context", [77, 248])
+def test_export_openai_and_longclip_layouts(tmp_path, context):
+  """--format=openai: the state dict equals the test's own OpenAI layout of the same weights (Long-CLIP's two
+  position tables at 248 tokens, each right where Long-CLIP's masks read it); loading it back is bit-identical and
+  matches transformers."""
+  model = hf_model(seed=9, context=context, head_dim=64, vocab=49408)
+  src = tmp_path / "hf"
+  model.save_pretrained(src)
+  out = tmp_path / "model.pt"
+  proc = run_py(["-m", "hnclip_jax.pretrained.export", str(src), str(out), "--format=openai"])
+  assert ("Long-CLIP state dict" in proc.stdout) == (context == 248), proc.stdout
+  got, want = torch.load(out, weights_only=True), to_openai(model.state_dict())
+  if context == 248:
+    assert got["positional_embedding"].shape == got["positional_embedding_res"].shape == (248, 64)
+    pos = want.pop("positional_embedding")
+    assert torch.equal(got.pop("positional_embedding")[:20], pos[:20])
+    assert torch.equal(got.pop("positional_embedding_res")[20:], pos[20:])
+  assert sorted(got) == sorted(want)
+  for k in want:
+    assert got[k].dtype == torch.float32 and torch.equal(got[k], want[k]), k
+  back = pretrained.load(str(out))
+  same_params(back, pretrained.load(str(src)))
+  pixels, ids = clip_inputs(context, seed=4)
+  want_img, want_txt = hf_embeddings(model, pixels, ids)
+  np.testing.assert_allclose(back.encode_pixels(pixels), want_img, atol=1e-5)
+  np.testing.assert_allclose(back.encode_tokens(ids), want_txt, atol=1e-5)
+
+
+def test_export_word_tokenizer_model(tmp_path):
+  """A model trained from scratch here (word-level tokenizer): the export's tokenizer.json gives our ids in
+  transformers (start/end tokens, truncation, padding) and the exported model our embeddings."""
+  from hnclip_jax.data.tokenizer import WordTokenizer
+  from hnclip_jax.models import CLIPConfig, init_params
+  captions = ["A red car parked next to a blue bicycle.", "Two dogs play on the green grass", "a cat, asleep"]
+  tok = WordTokenizer.fit(captions, context_length=12)
+  cfg = CLIPConfig(embed_dim=16, image_size=16, patch_size=8, vision_width=32, vision_layers=1, vision_heads=2,
+                   vision_mlp_dim=48, text_context=12, vocab_size=tok.vocab_size, text_width=32, text_layers=2,
+                   text_heads=2, text_mlp_dim=48, eot_token_id=tok.eot_id).validate()
+  _, params = init_params(cfg, 0)
+  src, out = tmp_path / "converted", tmp_path / "exported"
+  pretrained.Pretrained(cfg, params, tok, "test").save(str(src))
+  proc = run_py(["-m", "hnclip_jax.pretrained.export", str(src), str(out)])
+  assert "warning" not in proc.stdout
+  fast = transformers.AutoTokenizer.from_pretrained(out)
+  assert isinstance(fast, transformers.PreTrainedTokenizerFast)
+  queries = captions + ["an UNSEEN word, then a red car", "dogs " * 30, ""]
+  got = fast(queries, padding="max_length", truncation=True, max_length=12)["input_ids"]
+  np.testing.assert_array_equal(np.asarray(got), tok(queries))
+  ours = pretrained.load(str(src))
+  back = transformers.CLIPModel.from_pretrained(out)
+  pixels = np.random.default_rng(0).normal(size=(2, 16, 16, 3)).astype(np.float32)
+  want_img, want_txt = hf_embeddings(back, pixels, np.asarray(got))
+  np.testing.assert_allclose(ours.encode_tokens(tok(queries)), want_txt, atol=1e-5)
+  np.testing.assert_allclose(ours.encode_pixels(pixels), want_img, atol=1e-5)
+
+
+def test_export_warnings_and_refusals(tmp_path):
+  """A bare weights directory exports with a warning naming the missing tokenizer files; the OpenAI format refuses
+  a model its loader would rebuild differently, naming why, and writes nothing."""
+  model = hf_model(seed=10, act="gelu")
+  src, out = tmp_path / "hf", tmp_path / "exported"
+  model.save_pretrained(src)  # weights and config.json only
+  proc = run_py(["-m", "hnclip_jax.pretrained.export", str(src), str(out)])
+  assert "warning:" in proc.stdout and "no tokenizer files" in proc.stdout and "vocab.json" in proc.stdout
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "preprocessor_config.json"]
+  assert_parity(pretrained.load(str(out)), model)
+  bad = run_py(["-m", "hnclip_jax.pretrained.export", str(src), str(tmp_path / "m.pt"), "--format=openai"],
+               check=False)
+  assert bad.returncode != 0 and "cannot be written in the OpenAI format" in bad.stderr
+  assert "'gelu'" in bad.stderr and "heads of width 8" in bad.stderr and "--format=hf" in bad.stderr
+  assert not os.path.exists(tmp_path / "m.pt")
+  bad = run_py(["-m", "hnclip_jax.pretrained.export", str(src), str(tmp_path / "dir"), "--format=openai"],
+               check=False)
+  assert bad.returncode != 0 and "should end in .pt" in bad.stderr and not os.path.exists(tmp_path / "dir")
 
 
 def test_encoders_run_in_fixed_batches(tmp_path):

@@ -1,13 +1,22 @@
-"""Export a model to the Hugging Face CLIP format (the inverse of `weights.read_hf_directory`):
+"""Export a model to the Hugging Face CLIP format or the OpenAI / Long-CLIP state-dict format (the inverses of
+`weights.read_hf_directory` and `weights.read_openai_file`):
 
-  python -m hnclip_jax.pretrained.export SOURCE OUT_DIR [--step N]
+  python -m hnclip_jax.pretrained.export SOURCE OUT [--format hf|openai] [--step N]
 
 SOURCE: anything `pretrained.load` reads (a train.py workdir, optionally at --step, a converted directory, a Hugging
-Face directory, an OpenAI/Long-CLIP .pt). OUT_DIR gets config.json and model.safetensors that
+Face directory, an OpenAI/Long-CLIP .pt).
+
+--format=hf (default): OUT is a directory with config.json and model.safetensors that
 `transformers.CLIPModel.from_pretrained` loads (max_position_embeddings = the model's text context, 248 for
-Long-CLIP), preprocessor_config.json (CLIP's resize / centre crop / normalisation at the model's image size) and,
-for a CLIP BPE tokenizer, vocab.json + merges.txt. A word-level tokenizer (models trained from scratch here) is
-not a CLIP tokenizer: the export says so and writes the weights only.
+Long-CLIP), preprocessor_config.json (CLIP's resize / centre crop / normalisation at the model's image size) and the
+tokenizer: vocab.json + merges.txt for CLIP's BPE (`CLIPTokenizer`), tokenizer.json for the word-level tokenizer of
+models trained from scratch here (`PreTrainedTokenizerFast`, start/end tokens and padding as in training).
+
+--format=openai: OUT is a .pt file holding an OpenAI-CLIP state dict (what `clip.model.build_model` reads); a
+248-token model gets Long-CLIP's two position tables (`positional_embedding` for positions < 20,
+`positional_embedding_res` for the rest; both [248, width], as Long-CLIP's `build_model` expects). Writing it needs
+PyTorch. The format stores no tokenizer and fixes the architecture rules OpenAI's loader infers (QuickGELU, 64-wide
+heads, the end token = the last id); a model outside them is refused with the reason.
 """
 from __future__ import annotations
 
@@ -18,11 +27,15 @@ import numpy as np
 from absl import app, flags
 
 from hnclip_jax.cli import clean_errors
+from hnclip_jax.data.tokenizer import EOT, PAD, SOT, UNK
 
 flags.DEFINE_integer("step", None, "Checkpoint step of a train.py workdir (default: the newest).")
+flags.DEFINE_enum("format", "hf", ["hf", "openai"], "hf: a transformers CLIPModel directory; openai: an "
+                  "OpenAI/Long-CLIP state dict .pt file.")
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+LONGCLIP_CONTEXT = 248  # Long-CLIP's model code has 248 positions in two tables
 
 
 def _blocks(params, tower):
@@ -99,29 +112,138 @@ def export_hf(model, out_dir: str) -> list[str]:
                "do_convert_rgb": True}, f, indent=2)
   tok = model.tokenizer
   if tok is None:
-    return [f"{model.source} has no tokenizer files: {out_dir} has the weights, config and preprocessing only"]
-  if tok.kind != "clip_bpe":
-    return [f"the model's tokenizer is {tok.kind!r} (fitted on the training captions), not CLIP's BPE: no "
-            "Hugging Face tokenizer files were written"]
-  tok._tok.model.save(out_dir)  # vocab.json + merges.txt, the files transformers' CLIPTokenizer reads
+    return [f"{model.source} has no tokenizer files (vocab.json + merges.txt, tokenizer.json or "
+            f"bpe_simple_vocab_16e6.txt.gz): {out_dir} has the weights, config.json and preprocessor_config.json "
+            "only; copy the tokenizer files the model was trained with next to them"]
+  if tok.kind == "clip_bpe":
+    tok._tok.model.save(out_dir)  # vocab.json + merges.txt, the files transformers' CLIPTokenizer reads
+    tok_config = {"tokenizer_class": "CLIPTokenizer", "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>",
+                  "unk_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+  elif tok.kind == "word":
+    _word_tokenizer_json(tok, os.path.join(out_dir, "tokenizer.json"))
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SOT, "eos_token": EOT,
+                  "unk_token": UNK, "pad_token": PAD, "padding_side": "right", "truncation_side": "right"}
+  else:
+    return [f"the model's tokenizer is of kind {tok.kind!r}, which has no Hugging Face export: no tokenizer files "
+            "were written"]
   with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-    json.dump({"tokenizer_class": "CLIPTokenizer", "model_max_length": model.config.text_context,
-               "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-               "pad_token": "<|endoftext|>"}, f, indent=2)
+    json.dump({**tok_config, "model_max_length": model.config.text_context}, f, indent=2)
+  return []
+
+
+def _word_tokenizer_json(tok, path: str) -> None:
+  """The word-level tokenizer as one tokenizer.json that adds start/end tokens like training does; with
+  `padding="max_length", truncation=True, max_length=context` it gives our ids (pad id 0)."""
+  import tokenizers
+  from tokenizers import processors
+  t = tokenizers.Tokenizer.from_str(tok._tok.to_str())  # a copy: the post-processor is for the export only
+  t.post_processor = processors.TemplateProcessing(single=f"{SOT} $A {EOT}",
+                                                   special_tokens=[(SOT, tok.sot_id), (EOT, tok.eot_id)])
+  t.save(path)
+
+
+# --------------------------------------------------------------------------- OpenAI / Long-CLIP
+
+
+def openai_state_dict(params, cfg) -> dict:
+  """Our params -> an OpenAI-CLIP state dict (NumPy fp32); Long-CLIP's two position tables at 248 tokens."""
+  why = []
+  if cfg.token_projection != "shared":
+    why.append("it has separate token projections (config.model.token_projection='separate')")
+  if cfg.act != "quick_gelu":
+    why.append(f"its activation is {cfg.act!r} (OpenAI's model code is QuickGELU)")
+  for tower, width, heads in (("vision", cfg.vision_width, cfg.vision_heads), ("text", cfg.text_width,
+                                                                                cfg.text_heads)):
+    if heads * 64 != width:
+      why.append(f"its {tower} tower has {heads} heads of width {width // heads} (OpenAI's loader infers "
+                 f"width / 64 = {width // 64} heads)")
+  if cfg.eot_token_id != cfg.vocab_size - 1:
+    why.append(f"its end token is id {cfg.eot_token_id}, not the last id {cfg.vocab_size - 1} (OpenAI's code pools "
+               "at the largest id)")
+  if why:
+    raise ValueError("this model cannot be written in the OpenAI format: " + "; ".join(why) + ". Export it with "
+                     "--format=hf instead")
+  f = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))  # noqa: E731
+  sd = {}
+
+  def linear(name, p):
+    sd[name + ".weight"], sd[name + ".bias"] = f(np.asarray(p["kernel"]).T), f(p["bias"])
+
+  def norm(name, p):
+    sd[name + ".weight"], sd[name + ".bias"] = f(p["scale"]), f(p["bias"])
+
+  for tower, prefix in (("vision", "visual.transformer"), ("text", "transformer")):
+    for i, b in enumerate(_blocks(params, tower)):
+      p = f"{prefix}.resblocks.{i}."
+      sd[p + "attn.in_proj_weight"] = f(np.concatenate([np.asarray(b["attn"][k]["kernel"]).T for k in "qkv"]))
+      sd[p + "attn.in_proj_bias"] = f(np.concatenate([np.asarray(b["attn"][k]["bias"]) for k in "qkv"]))
+      linear(p + "attn.out_proj", b["attn"]["out"])
+      norm(p + "ln_1", b["ln1"])
+      norm(p + "ln_2", b["ln2"])
+      linear(p + "mlp.c_fc", b["fc1"])
+      linear(p + "mlp.c_proj", b["fc2"])
+  sd["visual.conv1.weight"] = f(np.asarray(params["patch_embed"]["kernel"]).transpose(3, 2, 0, 1))
+  sd["visual.class_embedding"] = f(params["class_embedding"])
+  sd["visual.positional_embedding"] = f(params["vision_positions"])
+  norm("visual.ln_pre", params["ln_pre"])
+  norm("visual.ln_post", params["ln_post"])
+  sd["visual.proj"] = f(params["visual_projection"])
+  sd["token_embedding.weight"] = f(params["token_embedding"]["embedding"])
+  positions = f(params["text_positions"])
+  sd["positional_embedding"] = positions
+  if cfg.text_context == LONGCLIP_CONTEXT:  # Long-CLIP: rows < 20 are read from the first table, the rest from
+    sd["positional_embedding_res"] = positions.copy()  # the second; both hold the whole table
+  norm("ln_final", params["ln_final"])
+  sd["text_projection"] = f(params["text_projection"])
+  sd["logit_scale"] = f(params["logit_scale"]).reshape(())
+  return sd
+
+
+def check_openai_out(out_file: str) -> None:
+  if not out_file.endswith((".pt", ".pth")):
+    raise ValueError(f"--format=openai writes one state-dict file: OUT={out_file!r} should end in .pt")
+
+
+def export_openai(model, out_file: str) -> list[str]:
+  """Writes the OpenAI / Long-CLIP .pt; returns warnings."""
+  check_openai_out(out_file)
+  if os.path.isdir(out_file):
+    raise IsADirectoryError(f"OUT={out_file!r} is a directory; --format=openai writes a .pt file")
+  sd = openai_state_dict(model.params, model.config)
+  try:
+    import torch
+  except ImportError as e:
+    raise ImportError("--format=openai writes a PyTorch .pt file and needs PyTorch (pip install torch); "
+                      "--format=hf needs no PyTorch") from e
+  os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
+  tmp = out_file + ".tmp"
+  torch.save({k: torch.from_numpy(v) for k, v in sd.items()}, tmp)
+  os.replace(tmp, out_file)
+  tok = model.tokenizer
+  if tok is not None and tok.kind != "clip_bpe":
+    return [f"the model's tokenizer is {tok.kind!r} (fitted on the training captions), not CLIP's BPE; the OpenAI "
+            "format stores no tokenizer, and OpenAI/Long-CLIP code tokenizes with CLIP's BPE, which does not match "
+            "these weights. Use --format=hf, which writes the tokenizer"]
   return []
 
 
 @clean_errors
 def main(argv):
   if len(argv) != 3:
-    raise app.UsageError("usage: python -m hnclip_jax.pretrained.export SOURCE OUT_DIR [--step N]")
+    raise app.UsageError("usage: python -m hnclip_jax.pretrained.export SOURCE OUT [--format hf|openai] [--step N]")
   from hnclip_jax import pretrained
   from hnclip_jax.metrics import quiet_libraries
   quiet_libraries()  # Orbax logs every file operation at INFO
+  fmt, out = flags.FLAGS.format, argv[2]
+  if fmt == "openai":
+    check_openai_out(out)  # before loading anything
   model = pretrained.load(argv[1], step=flags.FLAGS.step)
-  for w in export_hf(model, argv[2]):
+  warnings = export_hf(model, out) if fmt == "hf" else export_openai(model, out)
+  for w in warnings:
     print(f"warning: {w}")
-  print(f"wrote {argv[2]} (Hugging Face CLIPModel) from {model.source}")
+  what = "Hugging Face CLIPModel" if fmt == "hf" else ("Long-CLIP state dict" if model.config.text_context ==
+                                                       LONGCLIP_CONTEXT else "OpenAI-CLIP state dict")
+  print(f"wrote {out} ({what}) from {model.source}")
 
 
 if __name__ == "__main__":
