@@ -1,8 +1,10 @@
-"""Evaluate a checkpoint: python eval.py --config configs/demo.py --workdir DIR [--step N] [--split S].
+"""Evaluate a checkpoint: python eval.py --config configs/demo.py --workdir DIR [--step N] [--split S] [--report OUT].
 
 Reads the data the workdir was trained on (DIR/data.json) unless --config.data.* overrides say otherwise, prints
 Recall@1/5/10 (text->image, image->text), writes DIR/eval_results.json (this result) and appends it to
-DIR/eval_history.jsonl (every result, never rewritten).
+DIR/eval_history.jsonl (every result, never rewritten). --report OUT also writes OUT/index.html: the recall table
+and, for sampled queries and the failures, the caption, its ground-truth image, the top-k images with their scores
+and the near-twin captions (hnclip_jax/evaluation/report.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,10 @@ config_flags.DEFINE_config_file("config", None, "Config file the run was trained
 flags.DEFINE_string("workdir", None, "The training workdir (checkpoints/ and tokenizer/).")
 flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest).")
 flags.DEFINE_string("split", None, "Split to evaluate (default: config.data.eval_split).")
+flags.DEFINE_string("report", None, "Also write a browsable HTML report (index.html + images/) into this directory.")
+flags.DEFINE_integer("report_samples", 20, "Text->image queries sampled (seeded by config.seed) for the report.")
+flags.DEFINE_integer("report_failures", 50, "At most this many failed queries (worst first) in the report.")
+flags.DEFINE_float("report_twin_threshold", 0.9, "Caption cosine similarity (text encoder) marking a near-twin.")
 define_distributed_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -31,7 +37,7 @@ def main(argv):
   del argv
   import jax
   from hnclip_jax import config as config_lib, experiment, sharding, train_step
-  from hnclip_jax.data import builders
+  from hnclip_jax.data import builders, pipeline
   from hnclip_jax.metrics import log, quiet_libraries
   from hnclip_jax.models import abstract_model
   from hnclip_jax.workdir import Workdir, check_model_compatible
@@ -67,14 +73,27 @@ def main(argv):
   param_sh = sharding.state_shardings({"params": abstract_params}, "params", mesh, rules)["params"]
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, param_sh)
   params = ckpt.restore_params(step, target)
-  res = experiment.evaluate(params, train_step.make_embed_fn(graphdef, mesh, param_sh), source, tokenizer, model_cfg,
-                            mesh, config.eval_batch_size)
+  captions = pipeline.caption_lists(builders.data_source(config.data, split, decode_images=False))
+  img, txt, caption_image = experiment.embed_split(params, train_step.make_embed_fn(graphdef, mesh, param_sh), source,
+                                                   tokenizer, model_cfg, mesh, config.eval_batch_size, captions)
+  res = experiment.retrieval_result(img, txt, caption_image)
   out = {"step": int(step), "dataset": config.data.name, "split": split, "num_pairs": res["num_pairs"],
-         "t2i": res["t2i"], "i2t": res["i2t"]}
+         "num_images": res["num_images"], "num_captions": res["num_captions"], "t2i": res["t2i"], "i2t": res["i2t"]}
   for d, name in (("t2i", "text->image"), ("i2t", "image->text")):
     log(f"{name:12s} " + "  ".join(f"{k}={v:6.2f}" for k, v in out[d].items()))
   wd.record_eval(out, {"data": dict(config.data)})
-  log(f"step {step}, {out['num_pairs']} pairs of {experiment.describe_data(config.data)}, split '{split}'; wrote "
+  if FLAGS.report and jax.process_index() == 0:
+    from hnclip_jax.evaluation.report import write_report
+    encoded = builders.data_source(config.data, split, decode_images=False)
+    page = write_report(
+        os.path.abspath(os.path.expanduser(FLAGS.report)), img=img, txt=txt, caption_image=caption_image,
+        captions=[c for caps in captions for c in caps], image_bytes=lambda row: encoded[row]["image"],
+        recall={"t2i": out["t2i"], "i2t": out["i2t"]}, seed=config.seed, num_samples=FLAGS.report_samples,
+        max_failures=FLAGS.report_failures, twin_threshold=FLAGS.report_twin_threshold,
+        meta={"workdir": workdir, "step": int(step), "data": experiment.describe_data(config.data), "split": split,
+              "images": out["num_images"], "captions": out["num_captions"]})
+    log(f"report: {page}")
+  log(f"step {step}, {experiment.describe_counts(res)} of {experiment.describe_data(config.data)}, split '{split}'; wrote "
       f"{wd.eval_results} (history: {wd.eval_history})")
   ckpt.close()
 

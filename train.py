@@ -105,12 +105,18 @@ def main(argv):
       start_step=start, process_index=jax.process_index(), process_count=jax.process_count(),
       workers=config.workers))
 
+  eval_captions = None  # read once, at the first eval, without decoding images
+
   def run_eval(step):
+    nonlocal eval_captions
+    if eval_captions is None:
+      eval_captions = pipeline.caption_lists(
+          builders.data_source(config.data, config.data.eval_split, decode_images=False))
     res = experiment.evaluate(state["params"], embed_fn, eval_source, tokenizer, model_cfg, mesh,
-                              config.eval_batch_size)
+                              config.eval_batch_size, eval_captions)
     scalars = {f"eval/{d}/{k}": v for d in ("t2i", "i2t") for k, v in res[d].items()}
     writer.write(step, scalars)
-    log(f"eval @ {step} on {config.data.name}/{config.data.eval_split} ({res['num_pairs']} pairs): " +
+    log(f"eval @ {step} on {config.data.name}/{config.data.eval_split} ({experiment.describe_counts(res)}): " +
         " ".join(f"{k}={v:.2f}" for k, v in scalars.items()))
 
   def check_finite():

@@ -70,7 +70,8 @@ def base_config() -> ml_collections.ConfigDict:
       "b1": 0.9, "b2": 0.98, "eps": 1e-6, "grad_clip_norm": 1.0, "train_logit_scale": True})
   c.model = model_config("tiny", vocab_size=0, eot_token_id=-1)
   c.data = ml_collections.ConfigDict({
-      # name: synthetic | docci | dci | long_dci | urban1k | pairs. manual_dir: where the downloaded files are.
+      # name: synthetic | docci | dci | long_dci | urban1k | coco | flickr30k | pairs.
+      # manual_dir: where the downloaded files are.
       # on_bad_example: "error" stops the build at a bad example, "skip" leaves it out and reports it.
       "name": "synthetic", "data_dir": "", "train_split": "train", "eval_split": "test",
       "manual_dir": "", "on_bad_example": "error",

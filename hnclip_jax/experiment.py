@@ -194,24 +194,51 @@ def truncation_report(config, tokenizer) -> str:
           f"than the {tokenizer.context_length}-token context and are truncated")
 
 
-def embed_split(params, embed_fn, source, tokenizer, model_cfg: CLIPConfig, mesh, batch_size: int):
-  """Embeds every pair of `source` -> (img [N, E], txt [N, E]) NumPy on every process, pairs aligned by row."""
+def _embed_rows(params, fn, batches, mesh, name: str, n: int) -> np.ndarray:
+  """Runs `fn` over padded per-process batches; returns [n, E] on every process, in row order."""
+  embs, rows = [], []
+  for batch in batches:
+    g = sharding.to_global({name: batch[name]}, mesh)
+    embs.append(multihost_utils.process_allgather(fn(params, g[name]), tiled=True))
+    rows.append(multihost_utils.process_allgather(np.where(batch["mask"], batch["index"], -1), tiled=True))
+  emb, row = np.concatenate(embs), np.concatenate(rows)
+  out = np.zeros((n, emb.shape[1]), emb.dtype)
+  out[row[row >= 0]] = emb[row >= 0]
+  return out
+
+
+def embed_split(params, encoders, source, tokenizer, model_cfg: CLIPConfig, mesh, batch_size: int, captions=None):
+  """Embeds every image of `source` and every caption -> (img [N_img, E], txt [N_cap, E], caption_image [N_cap])
+  NumPy on every process. `captions`: each example's caption list (`pipeline.caption_lists`), read from `source`
+  when not given (pass it from a source that skips image decoding to avoid decoding twice)."""
   sharding.check_batch_size(batch_size, mesh, "config.eval_batch_size")
-  local = batch_size // jax.process_count()
-  imgs, txts, masks = [], [], []
-  for batch in pipeline.eval_batches(source, tokenizer, image_size=model_cfg.image_size, batch_size=local,
-                                     process_index=jax.process_index(), process_count=jax.process_count()):
-    g = sharding.to_global({"image": batch["image"], "tokens": batch["tokens"]}, mesh)
-    i, t = embed_fn(params, g["image"], g["tokens"])
-    imgs.append(multihost_utils.process_allgather(i, tiled=True))
-    txts.append(multihost_utils.process_allgather(t, tiled=True))
-    masks.append(multihost_utils.process_allgather(batch["mask"], tiled=True))
-  mask = np.concatenate(masks)
-  return np.concatenate(imgs)[mask], np.concatenate(txts)[mask]
+  local, pi, pc = batch_size // jax.process_count(), jax.process_index(), jax.process_count()
+  captions = pipeline.caption_lists(source) if captions is None else captions
+  if len(captions) != len(source):
+    raise ValueError(f"embed_split: {len(captions)} caption lists for {len(source)} examples")
+  flat = [c for caps in captions for c in caps]
+  caption_image = np.repeat(np.arange(len(captions)), [len(c) for c in captions])
+  img = _embed_rows(params, encoders.images, pipeline.eval_image_batches(
+      source, image_size=model_cfg.image_size, batch_size=local, process_index=pi, process_count=pc), mesh, "image",
+      len(source))
+  txt = _embed_rows(params, encoders.texts, pipeline.eval_text_batches(
+      flat, tokenizer, batch_size=local, process_index=pi, process_count=pc), mesh, "tokens", len(flat))
+  return img, txt, caption_image
 
 
-def evaluate(params, embed_fn, source, tokenizer, model_cfg, mesh, batch_size: int) -> dict:
-  img, txt = embed_split(params, embed_fn, source, tokenizer, model_cfg, mesh, batch_size)
-  out = recall_at_k(img, txt)
-  out["num_pairs"] = int(img.shape[0])
+def describe_counts(res) -> str:
+  if res["num_images"] == res["num_captions"]:
+    return f"{res['num_images']} pairs"
+  return f"{res['num_images']} images, {res['num_captions']} captions"
+
+
+def evaluate(params, encoders, source, tokenizer, model_cfg, mesh, batch_size: int, captions=None) -> dict:
+  """Recall@1/5/10 both ways (COCO protocol when images have several captions) and what was counted."""
+  return retrieval_result(*embed_split(params, encoders, source, tokenizer, model_cfg, mesh, batch_size, captions))
+
+
+def retrieval_result(img, txt, caption_image) -> dict:
+  out = recall_at_k(img, txt, caption_image=caption_image)
+  out["num_images"], out["num_captions"] = int(img.shape[0]), int(txt.shape[0])
+  out["num_pairs"] = out["num_captions"]  # one per image on the paper's benchmarks
   return out

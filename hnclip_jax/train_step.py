@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -233,16 +234,18 @@ def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings):
                  compiler_options=compiler_options(mesh))
 
 
-def make_embed_fn(graphdef, mesh, param_shardings):
-  """Jitted (params, images [B,H,W,3], tokens [B,L]) -> (img_emb [B,E], txt_emb [B,E]), batch-sharded (eval)."""
+class Encoders(NamedTuple):
+  images: object  # jitted (params, images [B,H,W,3]) -> [B, E]
+  texts: object  # jitted (params, tokens [B,L]) -> [B, E]
+
+
+def make_embed_fn(graphdef, mesh, param_shardings) -> Encoders:
+  """Jitted eval encoders, L2-normalised fp32 embeddings, batch-sharded: images and texts separately (an image
+  with several captions is encoded once)."""
   batch_sh = sharding.batch_sharding(mesh)
-
-  def embed(params, images, tokens):
-    out = bind(graphdef, params)(images, tokens)
-    return out["img"], out["txt"]
-
-  return jax.jit(embed, in_shardings=(param_shardings, batch_sh, batch_sh),
-                 out_shardings=(batch_sh, batch_sh), compiler_options=compiler_options(mesh))
+  kw = dict(in_shardings=(param_shardings, batch_sh), out_shardings=batch_sh, compiler_options=compiler_options(mesh))
+  return Encoders(images=jax.jit(lambda p, x: bind(graphdef, p).encode_image(x), **kw),
+                  texts=jax.jit(lambda p, t: bind(graphdef, p).encode_text(t), **kw))
 
 
 @dataclasses.dataclass

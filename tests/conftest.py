@@ -79,3 +79,31 @@ def listing(root):
 def tfds_dir(tmp_path_factory):
   """One TFDS data dir shared by every test (synthetic datasets are built once)."""
   return str(tmp_path_factory.mktemp("tfds"))
+
+
+BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
+ARTIFACTS = os.environ.get("HNCLIP_TEST_ARTIFACTS", os.path.join(ROOT, "test-artifacts"))
+
+
+def headless_browser() -> str:
+  """A headless Chromium from the system packages (.ci/run installs chromium-headless-shell when missing)."""
+  import shutil
+  found = os.environ.get("HNCLIP_CHROMIUM") or next(filter(None, map(shutil.which, BROWSERS)), None)
+  if not found:
+    pytest.fail("no headless Chromium found (tried HNCLIP_CHROMIUM and " + ", ".join(BROWSERS) + "); install it "
+                "with `apt-get install chromium-headless-shell` (.ci/run does), or point HNCLIP_CHROMIUM at one")
+  return found
+
+
+def render(page: str, screenshot: str | None = None, width: int = 1400, height: int = 2400) -> str:
+  """Opens `page` in headless Chromium; returns the DOM after scripts and image loads ran; optionally saves a
+  screenshot."""
+  browser = headless_browser()
+  common = [browser, "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--virtual-time-budget=5000"]
+  url = "file://" + os.path.abspath(page)
+  dom = subprocess.run(common + ["--dump-dom", url], capture_output=True, text=True, timeout=120, check=True).stdout
+  if screenshot:
+    os.makedirs(os.path.dirname(screenshot), exist_ok=True)
+    subprocess.run(common + [f"--screenshot={screenshot}", f"--window-size={width},{height}", url],
+                   capture_output=True, text=True, timeout=120, check=True)
+  return dom

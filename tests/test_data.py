@@ -160,13 +160,22 @@ def test_process_shards_are_disjoint_and_form_the_global_batch(data_cfg, tokeniz
 
 def test_eval_batches_pad_and_mask(data_cfg, tokenizer):
   src = builders.data_source(data_cfg, "test")
-  batches = list(pipeline.eval_batches(src, tokenizer, image_size=32, batch_size=8))
-  assert [b["mask"].sum() for b in batches] == [8, 8, 4]
+  batches = list(pipeline.eval_image_batches(src, image_size=32, batch_size=8))
+  assert [b["mask"].sum() for b in batches] == [8, 8, 4] and batches[0]["image"].shape == (8, 32, 32, 3)
+  assert not batches[-1]["image"][4:].any()  # zero padding
   ids = np.concatenate([b["index"][b["mask"]] for b in batches])
   assert sorted(ids.tolist()) == list(range(20))
   # Three processes over 20 pairs (7, 7, 6): the same number of batches each, every pair exactly once.
-  shares = [list(pipeline.eval_batches(src, tokenizer, image_size=32, batch_size=4, process_index=p,
-                                       process_count=3)) for p in range(3)]
+  shares = [list(pipeline.eval_image_batches(src, image_size=32, batch_size=4, process_index=p, process_count=3))
+            for p in range(3)]
   assert [len(s) for s in shares] == [2, 2, 2]
   ids = np.concatenate([b["index"][b["mask"]] for s in shares for b in s])
   assert sorted(ids.tolist()) == list(range(20))
+  captions = pipeline.read_captions(src)
+  text = [list(pipeline.eval_text_batches(captions[:5], tokenizer, batch_size=4, process_index=p, process_count=2))
+          for p in range(2)]
+  assert [len(t) for t in text] == [1, 1]  # 3 and 2 captions: one padded batch each
+  for t in text:
+    b = t[0]
+    np.testing.assert_array_equal(b["tokens"][b["mask"]], tokenizer([captions[i] for i in b["index"][b["mask"]]]))
+    assert not b["tokens"][~b["mask"]].any() and (b["index"][~b["mask"]] == -1).all()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from hnclip_jax.data import builders
+from hnclip_jax.data import builders, pipeline
 from conftest import run_py
 
 
@@ -31,8 +31,13 @@ def cfg(name, manual_dir, data_dir, skip=False):
 
 
 def read_all(config, split):
+  """{image id: (caption, image bytes)}; the caption is a list for images with several."""
   src = builders.data_source(config, split, decode_images=False)
-  return {src[i]["image_id"].decode(): (src[i]["caption"].decode(), src[i]["image"]) for i in range(len(src))}
+  out = {}
+  for i in range(len(src)):
+    caps = pipeline.captions_of(src[i])
+    out[src[i]["image_id"].decode()] = (caps[0] if len(caps) == 1 else caps, src[i]["image"])
+  return out
 
 
 # ---------------------------------------------------------------------------------------------- DOCCI
@@ -171,6 +176,85 @@ def test_generic_pairs_json_and_jsonl(tmp_path):
   assert read_all(cfg("pairs", m2, tmp_path / "d2"), "train") == read_all(c, "train")
 
 
+def test_pairs_with_several_captions_per_image(tmp_path):
+  """A 'captions' list and repeated 'filename' rows (mixed) give one example per image with every caption in
+  order; an image in two splits or an empty list is a named error; training uses one caption per image per step,
+  picked from the seed, and resuming at step k gives the same captions."""
+  from hnclip_jax.data.tokenizer import WordTokenizer
+  m = tmp_path / "m"
+  rows, want = [], {}
+  for i in range(8):
+    write(str(m / f"img{i}.jpg"), image_bytes(900 + i))
+    caps = [f"image {i} caption {j}" + " word" * j for j in range(1 + i % 3)]
+    want[f"img{i}.jpg"] = caps
+    if i % 2:  # one row per caption
+      rows += [{"filename": f"img{i}.jpg", "caption": c} for c in caps]
+    else:
+      rows.append({"filename": f"img{i}.jpg", "captions": caps})
+  rows.insert(3, rows.pop())  # the rows of one image need not be adjacent; captions keep the file's order
+  want["img7.jpg"] = want["img7.jpg"][::-1]
+  write(str(m / "pairs.jsonl"), "\n".join(json.dumps(r) for r in rows))
+  c = cfg("pairs", m, tmp_path / "d")
+  got = read_all(c, "train")
+  assert {k: v[0] if isinstance(v[0], list) else [v[0]] for k, v in got.items()} == want
+
+  src = builders.data_source(c, "train")
+  tok = WordTokenizer.fit(pipeline.read_captions(src), context_length=16)
+  kw = dict(image_size=16, global_batch=4, seed=7)
+  stream = [b for _, b in zip(range(12), pipeline.train_dataset(src, tok, **kw))]
+  used = {}
+  for step, b in enumerate(stream):
+    assert len(set(b["index"].tolist())) == 4  # an image appears once per batch
+    for row, i in enumerate(b["index"]):
+      caps = pipeline.captions_of(src[int(i)])
+      k = pipeline.caption_choice(7, step, int(i), len(caps))
+      np.testing.assert_array_equal(b["tokens"][row], tok([caps[k]])[0])
+      used.setdefault(int(i), set()).add(k)
+  assert any(len(v) > 1 for v in used.values())  # captions vary from step to step
+  resumed = [b for _, b in zip(range(3), pipeline.train_dataset(src, tok, start_step=9, **kw))]
+  for a, b in zip(stream[9:], resumed):
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+  other_seed = [b for _, b in zip(range(12), pipeline.train_dataset(src, tok, **{**kw, "seed": 8}))]
+  assert any(not np.array_equal(a["tokens"], b["tokens"]) for a, b in zip(stream, other_seed))
+
+  bad = tmp_path / "bad"
+  write(str(bad / "a.jpg"), image_bytes(1))
+  write(str(bad / "pairs.json"), json.dumps([{"filename": "a.jpg", "caption": "x"},
+                                             {"filename": "a.jpg", "caption": "y", "split": "test"}]))
+  with pytest.raises(ValueError, match=r"pairs.json\[1\]: image 'a.jpg' is in split 'test' here but in 'train'"):
+    read_all(cfg("pairs", bad, tmp_path / "d2"), "train")
+  write(str(bad / "pairs.json"), json.dumps([{"filename": "a.jpg", "captions": []}]))
+  with pytest.raises(ValueError, match=r"pairs.json\[0\]: 'captions' must be a non-empty list"):
+    read_all(cfg("pairs", bad, tmp_path / "d3"), "train")
+
+
+def test_coco_and_flickr30k_karpathy_splits(tmp_path):
+  """Karpathy's split files in their own layout: restval joins train, five captions per image in order, COCO's
+  filepath folders and Flickr's flickr30k-images/."""
+  for name, js, folder in (("coco", "dataset_coco.json", None), ("flickr30k", "dataset_flickr30k.json",
+                                                                  "flickr30k-images")):
+    m = tmp_path / name
+    images = []
+    for i, split in enumerate(["train", "restval", "val", "test", "test"]):
+      sub = folder or ("train2014" if split in ("train", "restval") else "val2014")
+      fname = f"{name}_{i:06d}.jpg"
+      write(str(m / sub / fname), image_bytes(1000 + i))
+      entry = {"filename": fname, "split": split, "imgid": i,
+               "sentences": [{"raw": f"{name} image {i} says {j}.", "tokens": [], "imgid": i} for j in range(5)]}
+      if folder is None:
+        entry["filepath"] = sub
+      images.append(entry)
+    write(str(m / js), json.dumps({"images": images, "dataset": name}))
+    c = cfg(name, m, tmp_path / "d")
+    train, test = read_all(c, "train"), read_all(c, "test")
+    assert sorted(train) == [f"{folder or 'train2014'}/{name}_00000{i}.jpg" for i in (0, 1)]
+    key = f"{folder or 'val2014'}/{name}_000004.jpg"
+    assert len(test) == 2 and test[key][0] == [f"{name} image 4 says {j}." for j in range(5)]
+    assert test[key][1] == (m / key).read_bytes()
+  with pytest.raises(FileNotFoundError, match=r"dataset_coco.json is missing(.|\n)*train2014"):
+    read_all(cfg("coco", tmp_path / "flickr30k", tmp_path / "d3"), "test")
+
+
 def test_train_and_eval_on_pairs_from_scratch(tmp_path, tfds_dir):
   m = tmp_path / "m"
   words = ["red", "green", "blue", "circle", "square", "left", "right", "small", "large"]
@@ -179,7 +263,10 @@ def test_train_and_eval_on_pairs_from_scratch(tmp_path, tfds_dir):
     name = f"img{i}.png"
     write(str(m / name), image_bytes(400 + i, "PNG", (24, 40)))
     cap = " ".join(np.random.default_rng(i).choice(words, 8))
-    entries.append({"filename": name, "caption": f"{cap} number {i}", "split": "test" if i >= 32 else "train"})
+    split = "test" if i >= 32 else "train"
+    entries.append({"filename": name, "caption": f"{cap} number {i}", "split": split})
+    if i % 3 == 0:  # some images have a second caption: 8 test images, 11 test captions
+      entries.append({"filename": name, "caption": f"number {i}, {cap}", "split": split})
   write(str(m / "pairs.json"), json.dumps(entries))
   w = tmp_path / "w"
   base = ["--config", "configs/demo.py:test", "--workdir", str(w)]
@@ -193,7 +280,8 @@ def test_train_and_eval_on_pairs_from_scratch(tmp_path, tfds_dir):
   ev = run_py(["eval.py", *base])
   assert f"data: pairs from {m} (recorded in {w}/data.json; the config file's manual_dir='', name='synthetic'" in ev.stdout
   res = json.load(open(w / "eval_results.json"))
-  assert res["dataset"] == "pairs" and res["num_pairs"] == 8
+  assert res["dataset"] == "pairs" and (res["num_images"], res["num_captions"]) == (8, 11)
+  assert "8 images, 11 captions" in ev.stdout
   again = run_py(["train.py", *base])
   assert f"data: pairs from {m} (recorded in {w}/data.json" in again.stdout and "resumed from" in again.stdout
   # Contradicting the recorded data on resume is refused; for eval it is another evaluation, kept beside the first.
@@ -203,7 +291,8 @@ def test_train_and_eval_on_pairs_from_scratch(tmp_path, tfds_dir):
   assert f"not the data it was trained on, pairs from {m}" in other.stdout
   assert json.load(open(w / "eval_results.json"))["dataset"] == "synthetic"
   history = [json.loads(line) for line in open(w / "eval_history.jsonl")]
-  assert [(h["dataset"], h["num_pairs"]) for h in history] == [("pairs", 8), ("synthetic", 8)]
+  assert [(h["dataset"], h["num_images"], h["num_captions"]) for h in history] == [("pairs", 8, 11),
+                                                                                  ("synthetic", 8, 8)]
   assert history[0]["data"]["manual_dir"] == str(m)
 
 

@@ -513,3 +513,16 @@ def test_longclip_config_is_the_papers_recipe():
   assert c.optimizer.lr == 2e-6 and c.batch_size == 128 and c.loss.gamma == 0.5 and c.data.image_size == 224
   # Micro-batch 16 × 8 accumulation = 128; 10 epochs over DOCCI's 9,450 training pairs (PAPER.md) = 738 steps.
   assert (c.batch_size, c.grad_accum_steps, c.total_steps) == (128, 8, 738)
+
+
+def test_coco_flickr_recipe_loads_as_train_py_reads_it(tmp_path):
+  """configs/coco_flickr.py through ml_collections' loader (as train.py/eval.py read it): the Long-CLIP-L recipe
+  on COCO, and a named error when the manual folder is not set."""
+  code = ("import sys; from absl import flags; from ml_collections import config_flags; "
+          "config_flags.DEFINE_config_file('config'); flags.FLAGS(sys.argv); c = flags.FLAGS.config; "
+          "print(c.data.name, c.data.eval_split, c.model.text_context, c.model.vision_layers, c.total_steps)")
+  out = run_py(["-c", code, "--config", os.path.join(ROOT, "configs", "coco_flickr.py") + ":coco"]).stdout.split()
+  assert out == ["coco", "test", "248", "24", str(113_287 // 128)]
+  bad = run_py(["train.py", "--config", "configs/coco_flickr.py:flickr30k", "--workdir", str(tmp_path / "w")],
+               check=False)
+  assert bad.returncode != 0 and "manual_dir" in bad.stderr, bad.stderr

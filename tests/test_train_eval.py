@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from conftest import run_py
+from conftest import ARTIFACTS, render, run_py
 
 CONFIG = "configs/demo.py:test"
 
@@ -49,9 +49,11 @@ def test_rerun_resumes_and_matches_uninterrupted_run(trained, tmp_path, tfds_dir
       assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k)
 
 
-def test_eval_restores_and_reports_recall(trained, tfds_dir):
+def test_eval_restores_and_reports_recall(trained, tfds_dir, tmp_path):
   workdir, _ = trained
-  proc = run_py(["eval.py", "--config", CONFIG, "--workdir", workdir, f"--config.data.data_dir={tfds_dir}"])
+  report = tmp_path / "report"
+  proc = run_py(["eval.py", "--config", CONFIG, "--workdir", workdir, f"--config.data.data_dir={tfds_dir}",
+                 "--report", str(report), "--report_samples=6", "--report_failures=10"])
   with open(os.path.join(workdir, "eval_results.json")) as f:
     res = json.load(f)
   assert res["step"] == 6 and res["dataset"] == "synthetic" and res["split"] == "test" and res["num_pairs"] == 40
@@ -64,9 +66,46 @@ def test_eval_restores_and_reports_recall(trained, tfds_dir):
     for k in ("R@1", "R@5", "R@10"):
       assert res[d][k] == pytest.approx(last[f"eval/{d}/{k}"])
   assert "text->image" in proc.stdout
+  check_report_in_browser(report, res)
   bad = run_py(["eval.py", "--config", CONFIG, "--workdir", workdir, "--step", "5",
                 f"--config.data.data_dir={tfds_dir}"], check=False)
   assert bad.returncode == 2 and "--step=5 has no checkpoint" in bad.stderr and "[3, 6]" in bad.stderr
+
+
+def check_report_in_browser(report, res):
+  """The --report page in headless Chromium: every image loads, the recall table holds eval_results.json's
+  numbers, each query shows its ground truth and top 5; a screenshot is kept as a test artifact."""
+  import html.parser
+  dom = render(str(report / "index.html"), screenshot=os.path.join(ARTIFACTS, "retrieval_report.png"))
+
+  class Parse(html.parser.HTMLParser):
+    imgs, cells, queries, key = [], {}, [], None
+
+    def handle_starttag(self, tag, attrs):
+      a = dict(attrs)
+      if tag == "img":
+        self.imgs.append(a)
+      if tag == "td" and "data-key" in a:
+        self.key = a["data-key"]
+      if tag == "section":
+        self.queries.append(a)
+
+    def handle_data(self, data):
+      if self.key:
+        self.cells[self.key], self.key = data, None
+
+  p = Parse()
+  p.feed(dom)
+  queries = json.load(open(report / "queries.json"))
+  n_queries = len(queries["sampled"]) + len(queries["failures"])
+  assert len(queries["sampled"]) == 6 and n_queries == len(p.queries) > 6  # the demo model still misses some
+  assert len(p.imgs) == n_queries * 6  # ground truth + top 5
+  assert [i.get("data-loaded") for i in p.imgs] == ["1"] * len(p.imgs), "an image did not load"
+  assert p.cells == {f"{d}/{k}": f"{res[d][k]:.2f}" for d in ("t2i", "i2t") for k in ("R@1", "R@5", "R@10")}
+  assert {q["data-rank"] for q in p.queries if "miss" in q["class"]} and all(
+      int(q["data-rank"]) > 0 for q in p.queries if "miss" in q["class"])
+  with open(os.path.join(ARTIFACTS, "retrieval_report.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 TOKEN_RUN = ["--config.loss.token_weight=1", "--config.total_steps=40", "--config.log_every=5",

@@ -78,6 +78,8 @@ DATASETS = {
     "long_dci": _manual(manual.HnclipLongDci),
     "urban1k": _manual(manual.HnclipUrban1k),
     "pairs": _manual(manual.HnclipPairs),
+    "coco": _manual(manual.HnclipCoco),
+    "flickr30k": _manual(manual.HnclipFlickr30k),
 }
 
 

@@ -57,8 +57,9 @@ class ManualConfig(tfds.core.BuilderConfig):
 class Pair:
   image_id: str
   image_path: str
-  caption: object  # str, or bytes to be decoded (checked)
+  caption: object  # str, or bytes to be decoded (checked); HnclipPairs: a list of (caption, where)
   where: str  # file:line, for error messages
+  split: str = "train"
 
 
 def _read_text(path: str, where: str) -> str:
@@ -111,6 +112,7 @@ class _ManualPairs(tfds.core.GeneratorBasedBuilder):
     if not os.path.isdir(manual_dir):
       raise FileNotFoundError(f"{self.name}: manual directory {manual_dir} does not exist.\n"
                               f"{self.MANUAL_DOWNLOAD_INSTRUCTIONS}")
+    self._skipped = []
     splits = self._pairs(manual_dir)
     seen = {}
     for split, pairs in splits.items():  # ids must be unique across all splits: a split never mixes examples
@@ -120,7 +122,6 @@ class _ManualPairs(tfds.core.GeneratorBasedBuilder):
           p.image_id = None
         else:
           seen[p.image_id] = p.where
-    self._skipped = []
     return {split: self._generate_examples([p for p in pairs if p.image_id is not None])
             for split, pairs in splits.items()}
 
@@ -133,12 +134,15 @@ class _ManualPairs(tfds.core.GeneratorBasedBuilder):
   def _generate_examples(self, pairs):
     for p in pairs:
       try:
-        caption = _decode_caption(p.caption, p.where)
-        data = _image_bytes(p.image_path, p.where)
+        example = self._example(p)
       except BadExample as e:
         self._bad(e)
         continue
-      yield p.image_id, {"image": data, "caption": caption, "image_id": p.image_id}
+      yield p.image_id, example
+
+  def _example(self, p: Pair) -> dict:
+    caption = _decode_caption(p.caption, p.where)
+    return {"image": _image_bytes(p.image_path, p.where), "caption": caption, "image_id": p.image_id}
 
   def _download_and_prepare(self, *args, **kwargs):
     super()._download_and_prepare(*args, **kwargs)
@@ -279,12 +283,27 @@ exist for N = 1..1000."""
 
 
 class HnclipPairs(_ManualPairs):
-  """Any folder of image/caption pairs listed in pairs.json (a JSON list) or pairs.jsonl."""
+  """Any folder of images with one or more captions each, listed in pairs.json (a JSON list) or pairs.jsonl."""
 
+  VERSION = tfds.core.Version("2.0.0")
+  RELEASE_NOTES = {"2.0.0": "several captions per image: the feature 'captions' (a list) replaces 'caption'"}
   MANUAL_DOWNLOAD_INSTRUCTIONS = """\
 Put pairs.json (a JSON list) or pairs.jsonl (one object per line) in MANUAL_DIR; each entry is
 {"filename": "relative/path.jpg", "caption": "...", "split": "train"} with filenames relative to MANUAL_DIR.
-"split" is optional (default "train"). Images must be JPEG or PNG."""
+An image with several captions (COCO, Flickr30k) has either one entry with "captions": ["...", "..."] or one entry
+per caption repeating its "filename" (both may be mixed; captions keep their order). "split" is optional
+(default "train"); an image belongs to one split. Images must be JPEG or PNG."""
+
+  def _info(self):
+    return tfds.core.DatasetInfo(
+        builder=self, description=self.__doc__,
+        features=tfds.features.FeaturesDict({"image": tfds.features.Image(),
+                                             "captions": tfds.features.Sequence(tfds.features.Text()),
+                                             "image_id": tfds.features.Text()}))
+
+  def _example(self, p: Pair) -> dict:
+    captions = [_decode_caption(c, w) for c, w in p.caption]
+    return {"image": _image_bytes(p.image_path, p.where), "captions": captions, "image_id": p.image_id}
 
   def _pairs(self, manual_dir):
     js, jl = os.path.join(manual_dir, "pairs.json"), os.path.join(manual_dir, "pairs.jsonl")
@@ -308,11 +327,85 @@ Put pairs.json (a JSON list) or pairs.jsonl (one object per line) in MANUAL_DIR;
               self._bad(BadExample(f"{jl}:{n}: not a JSON object ({e})"))
     else:
       _need(js, self)
-    splits = {}
+    images = {}  # filename -> Pair, its caption a list of (caption, where); in order of first appearance
     for where, r in rows:
-      if not isinstance(r, dict) or "filename" not in r or "caption" not in r:
-        self._bad(BadExample(f"{where}: needs 'filename' and 'caption'"))
+      if not isinstance(r, dict) or "filename" not in r or ("caption" in r) == ("captions" in r):
+        self._bad(BadExample(f"{where}: needs 'filename' and either 'caption' (a string) or 'captions' (a list)"))
         continue
-      splits.setdefault(r.get("split", "train"), []).append(
-          Pair(r["filename"], os.path.join(manual_dir, r["filename"]), r["caption"], where))
+      caps = r["captions"] if "captions" in r else [r["caption"]]
+      if not isinstance(caps, list) or not caps:
+        self._bad(BadExample(f"{where}: 'captions' must be a non-empty list of strings"))
+        continue
+      split = r.get("split", "train")
+      p = images.get(r["filename"])
+      if p is None:
+        p = images[r["filename"]] = Pair(r["filename"], os.path.join(manual_dir, r["filename"]), [], where, split)
+      elif p.split != split:
+        self._bad(BadExample(f"{where}: image {r['filename']!r} is in split {split!r} here but in {p.split!r} at "
+                             f"{p.where}; an image belongs to one split"))
+        continue
+      p.caption += [(c, f"{where} caption {j}" if len(caps) > 1 else where) for j, c in enumerate(caps)]
+    splits = {}
+    for p in images.values():
+      splits.setdefault(p.split, []).append(p)
     return splits
+
+
+class _Karpathy(HnclipPairs):
+  """Shared reader of Karpathy's split files (dataset_coco.json / dataset_flickr30k.json): five captions per image;
+  splits train (+ restval), val, test (the standard 5k / 1k test images)."""
+
+  JSON = ""
+  DEFAULT_FOLDER = ""  # where images live when an entry has no "filepath"
+
+  def _pairs(self, manual_dir):
+    path = _need(os.path.join(manual_dir, self.JSON), self)
+    with open(path, "rb") as f:
+      try:
+        data = json.loads(f.read())
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid UTF-8 JSON ({e}); download it again") from e
+    if not isinstance(data, dict) or not isinstance(data.get("images"), list):
+      raise ValueError(f"{path}: expected Karpathy's split file, a JSON object with an 'images' list")
+    splits = {}
+    for n, im in enumerate(data["images"]):
+      where = f"{path} images[{n}]"
+      try:
+        rel = os.path.join(im.get("filepath") or self.DEFAULT_FOLDER, im["filename"])
+        split = {"restval": "train"}.get(im["split"], im["split"])
+        caps = [(s["raw"], f"{where} sentences[{j}]") for j, s in enumerate(im["sentences"])]
+      except (KeyError, TypeError, AttributeError) as e:
+        self._bad(BadExample(f"{where}: needs 'filename', 'split' and 'sentences' with 'raw' ({e!r} missing)"))
+        continue
+      if not caps:
+        self._bad(BadExample(f"{where}: no sentences"))
+        continue
+      splits.setdefault(split, []).append(Pair(rel, os.path.join(manual_dir, rel), caps, where, split))
+    return splits
+
+
+class HnclipCoco(_Karpathy):
+  """MS-COCO captions, Karpathy splits (113,287 train+restval / 5,000 val / 5,000 test images, 5 captions each)."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {}
+  JSON = "dataset_coco.json"
+  MANUAL_DOWNLOAD_INSTRUCTIONS = """\
+MANUAL_DIR must hold Karpathy's split file and COCO 2014's images:
+  MANUAL_DIR/dataset_coco.json      from caption_datasets.zip (Karpathy & Fei-Fei's splits)
+  MANUAL_DIR/train2014/*.jpg        from train2014.zip (cocodataset.org)
+  MANUAL_DIR/val2014/*.jpg          from val2014.zip (the 5k test and 5k val images are taken from here)
+Each entry's "filepath" (train2014 / val2014) and "filename" name its image."""
+
+
+class HnclipFlickr30k(_Karpathy):
+  """Flickr30k, Karpathy splits (29,000 train / 1,014 val / 1,000 test images, 5 captions each)."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {}
+  JSON = "dataset_flickr30k.json"
+  DEFAULT_FOLDER = "flickr30k-images"
+  MANUAL_DOWNLOAD_INSTRUCTIONS = """\
+MANUAL_DIR must hold Karpathy's split file and the Flickr30k images:
+  MANUAL_DIR/dataset_flickr30k.json   from caption_datasets.zip (Karpathy & Fei-Fei's splits)
+  MANUAL_DIR/flickr30k-images/*.jpg   from flickr30k-images.tar.gz (the Flickr30k request form)"""

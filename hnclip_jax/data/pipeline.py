@@ -36,9 +36,22 @@ def normalize(image: np.ndarray) -> np.ndarray:
   return (np.asarray(image, np.float32) / 255.0 - CLIP_MEAN) / CLIP_STD
 
 
-def _caption(ex) -> str:
-  c = ex["caption"]
+def _text(c) -> str:
   return c.decode("utf-8") if isinstance(c, bytes) else str(c)
+
+
+def captions_of(ex) -> list[str]:
+  """An example's captions: several for datasets with a `captions` list (the `pairs` layout), else one."""
+  if "captions" in ex:
+    return [_text(c) for c in ex["captions"]]
+  return [_text(ex["caption"])]
+
+
+def caption_choice(seed: int, step: int, index: int, num_captions: int) -> int:
+  """Which of an image's captions training uses at `step`: uniform, a pure function of (seed, step, example)."""
+  if num_captions == 1:
+    return 0
+  return int(np.random.default_rng([seed, step, index]).integers(num_captions))
 
 
 class _Preprocess(grain.transforms.Map):
@@ -46,20 +59,25 @@ class _Preprocess(grain.transforms.Map):
   def __init__(self, tokenizer, image_size):
     self.tokenizer, self.image_size = tokenizer, image_size
 
-  def map(self, ex):
+  def map(self, ex, caption: int = 0):
     return {"image": clip_preprocess(ex["image"], self.image_size),
-            "tokens": self.tokenizer([_caption(ex)])[0]}
+            "tokens": self.tokenizer([captions_of(ex)[caption]])[0]}
 
 
-class _LoadRows(grain.transforms.Map):
-  """Global batch of example indices -> this process's rows, read and preprocessed, stacked."""
+class _LoadRows(grain.transforms.MapWithIndex):
+  """(step, global batch of example indices) -> this process's rows, read and preprocessed, stacked. An image
+  with several captions contributes the one `caption_choice` picks for this step."""
 
-  def __init__(self, source, tokenizer, image_size, rows: slice):
-    self.source, self.pre, self.rows = source, _Preprocess(tokenizer, image_size), rows
+  def __init__(self, source, tokenizer, image_size, rows: slice, seed: int):
+    self.source, self.pre, self.rows, self.seed = source, _Preprocess(tokenizer, image_size), rows, seed
 
-  def map(self, indices):
+  def map_with_index(self, step, indices):
     mine = indices[self.rows]
-    items = [self.pre.map(self.source[int(i)]) for i in mine]
+    items = []
+    for i in mine:
+      ex = self.source[int(i)]
+      n = len(ex["captions"]) if "captions" in ex else 1
+      items.append(self.pre.map(ex, caption_choice(self.seed, step, int(i), n)))
     out = {k: np.stack([it[k] for it in items]) for k in items[0]}
     out["index"] = np.asarray(mine, np.int64)  # record index in the source: which examples this batch holds
     return out
@@ -73,6 +91,8 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
   the number of processes: batch k is the same set of examples whether 1 or 64
   hosts read it, each host reading only its own rows. Batch k is a pure function
   of (seed, k), so `start_step` resumes the exact stream of an uninterrupted run.
+  An image with several captions appears once per batch, with the caption
+  `caption_choice(seed, k, index)` picks.
   """
   if global_batch % process_count:
     raise ValueError(f"config.batch_size={global_batch} is not divisible by the {process_count} processes")
@@ -82,35 +102,48 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
                      "lower config.batch_size")
   rows = slice(process_index * local, (process_index + 1) * local)
   ds = (grain.MapDataset.range(len(source)).shuffle(seed=seed).batch(global_batch, drop_remainder=True)
-        .repeat()[start_step:].map(_LoadRows(source, tokenizer, image_size, rows)))
+        .repeat().map_with_index(_LoadRows(source, tokenizer, image_size, rows, seed))[start_step:])
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, prefetch), prefetch_buffer_size=prefetch))
   if workers > 0:
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
   return it
 
 
-def eval_batches(source, tokenizer, *, image_size: int, batch_size: int, process_index: int = 0,
-                 process_count: int = 1):
-  """Yields this process's share of `source` in fixed-size batches, zero-padded with mask=False.
-
-  Every process yields the same number of batches (ceil(ceil(N / processes) / batch_size)), so collective
-  operations line up even when N is not divisible by the number of processes.
-  """
-  n_total = len(source)
+def _padded_batches(n_total: int, load, batch_size: int, process_index: int, process_count: int):
+  """This process's share of rows 0..n_total-1 (every process_count-th), `load(rows) -> {name: [m, ...]}` per
+  batch, zero-padded to `batch_size` with mask=False. Every process yields the same number of batches
+  (ceil(ceil(N / processes) / batch_size)), so collective operations line up even when N is not divisible."""
   num_batches = -(-(-(-n_total // process_count)) // batch_size)
   mine = np.arange(process_index, n_total, process_count)
-  pre = _Preprocess(tokenizer, image_size)
-  template = pre.map(source[0])
+  template = load(np.arange(min(1, n_total)))
   for b in range(num_batches):
     idx = mine[b * batch_size:(b + 1) * batch_size]
-    items = [pre.map(source[int(i)]) for i in idx]
-    pad = batch_size - len(items)
-    batch = {k: np.stack([it[k] for it in items] + [np.zeros_like(template[k])] * pad) for k in template}
+    pad = batch_size - len(idx)
+    got = load(idx) if len(idx) else {k: v[:0] for k, v in template.items()}
+    batch = {k: np.concatenate([v, np.zeros((pad, *template[k].shape[1:]), template[k].dtype)]) for k, v in got.items()}
     batch["index"] = np.concatenate([idx, -np.ones(pad, np.int64)]).astype(np.int64)
-    batch["mask"] = np.arange(batch_size) < len(items)
+    batch["mask"] = np.arange(batch_size) < len(idx)
     yield batch
 
 
+def eval_image_batches(source, *, image_size: int, batch_size: int, process_index: int = 0, process_count: int = 1):
+  """This process's share of the images of `source`: {"image" f32 [B,H,W,3], "index" (row in source), "mask"}."""
+  load = lambda rows: {"image": np.stack([clip_preprocess(source[int(i)]["image"], image_size)  # noqa: E731
+                                          for i in rows])}
+  return _padded_batches(len(source), load, batch_size, process_index, process_count)
+
+
+def eval_text_batches(captions, tokenizer, *, batch_size: int, process_index: int = 0, process_count: int = 1):
+  """This process's share of `captions` (a flat list): {"tokens" int32 [B, L], "index" (row in captions), "mask"}."""
+  load = lambda rows: {"tokens": tokenizer([captions[int(i)] for i in rows])}  # noqa: E731
+  return _padded_batches(len(captions), load, batch_size, process_index, process_count)
+
+
 def read_captions(source) -> list[str]:
-  """All captions of a source (images are not decoded if the source skips decoding)."""
-  return [_caption(source[i]) for i in range(len(source))]
+  """All captions of a source, flattened (images are not decoded if the source skips decoding)."""
+  return [c for caps in caption_lists(source) for c in caps]
+
+
+def caption_lists(source) -> list[list[str]]:
+  """Each example's captions, in source order."""
+  return [captions_of(source[i]) for i in range(len(source))]
