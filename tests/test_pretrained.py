@@ -426,6 +426,10 @@ def test_export_word_tokenizer_model(tmp_path):
   want_img, want_txt = hf_embeddings(back, pixels, np.asarray(got))
   np.testing.assert_allclose(ours.encode_tokens(tok(queries)), want_txt, atol=1e-5)
   np.testing.assert_allclose(ours.encode_pixels(pixels), want_img, atol=1e-5)
+  again = pretrained.load(str(out))  # our own loader reads the exported tokenizer.json back
+  assert again.tokenizer.kind == "word"
+  np.testing.assert_array_equal(again.tokenize(queries), tok(queries))
+  same_params(again, ours)
 
 
 def test_export_warnings_and_refusals(tmp_path):

@@ -34,7 +34,8 @@ def main(argv):
   data.name, data.manual_dir, data.data_dir = argv[1], f.manual_dir, f.data_dir
   data.on_bad_example = "skip" if f.skip_bad else "error"
   source = builders.data_source(data, f.split, decode_images=False)
-  captions = pipeline.read_captions(source)
+  lists = pipeline.caption_lists(source)
+  captions = [c for caps in lists for c in caps]
   if f.vocab:
     tok = (CLIPTokenizer.from_openai_bpe(f.vocab) if f.vocab.endswith(".gz")
            else CLIPTokenizer.from_directory(f.vocab))
@@ -43,7 +44,8 @@ def main(argv):
     tok, kind = WordTokenizer.fit(captions, context_length=77), "word-level"
   tokens = np.array([len(ids) + 2 for ids in tok.encode_ids(captions)])
   words = np.array([len(c.split()) for c in captions])
-  print(f"{argv[1]}/{f.split}: {len(captions)} examples")
+  counts = "" if len(captions) == len(lists) else f" with {len(captions)} captions"
+  print(f"{argv[1]}/{f.split}: {len(lists)} examples{counts}")
   for name, v in (("words", words), (f"tokens ({kind}, with start/end)", tokens)):
     print(f"  {name}: mean {v.mean():.1f}, median {np.median(v):.0f}, min {v.min()}, max {v.max()}")
   for ctx in (77, 248):
@@ -51,7 +53,7 @@ def main(argv):
   for i in range(min(f.show, len(source))):
     ex = source[i]
     print(f"--- {ex['image_id'].decode() if isinstance(ex['image_id'], bytes) else ex['image_id']} "
-          f"({len(ex['image'])} image bytes)\n{captions[i]}")
+          f"({len(ex['image'])} image bytes)\n" + "\n".join(lists[i]))
 
 
 if __name__ == "__main__":

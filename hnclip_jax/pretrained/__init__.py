@@ -113,6 +113,17 @@ class Pretrained:
 
 
 def _tokenizer_near(directory: str, context: int):
+  """CLIP's BPE from the files next to the weights, or the word-level tokenizer.json an export of a model trained
+  from scratch here writes."""
+  tj = os.path.join(directory, "tokenizer.json")
+  if os.path.exists(tj) and not os.path.exists(os.path.join(directory, "vocab.json")):
+    import json
+    import tokenizers
+    from hnclip_jax.data.tokenizer import WordTokenizer
+    with open(tj, encoding="utf-8") as f:
+      kind = json.load(f).get("model", {}).get("type")
+    if kind == "WordLevel":
+      return WordTokenizer(tokenizers.Tokenizer.from_file(tj), context)
   try:
     return CLIPTokenizer.from_directory(directory, context)
   except FileNotFoundError:

@@ -1,0 +1,50 @@
+"""The README's install, exactly: a fresh virtual environment, `pip install -r requirements.txt` and nothing else,
+then every documented path that needs no PyTorch, run in that environment: train a few steps, eval (with the
+report), TensorBoard reading the event files, export to Hugging Face, and `pretrained.load` on that safetensors
+directory from outside the repository after `pip install .`."""
+import os
+import subprocess
+import sys
+
+from conftest import CACHE, ROOT
+
+
+def sh(args, *, cwd=ROOT, env=None, timeout=900):
+  proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+  if proc.returncode != 0:
+    raise AssertionError(f"{' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                         f"{proc.stderr[-5000:]}")
+  return proc
+
+
+def test_readme_install_in_a_fresh_venv(tmp_path, tfds_dir):
+  venv = tmp_path / "venv"
+  sh([sys.executable, "-m", "venv", str(venv)])
+  py = str(venv / "bin" / "python")
+  sh([py, "-m", "pip", "install", "-q", "-r", "requirements.txt"], timeout=1500)
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+  env.update(JAX_PLATFORMS="cpu", PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}")
+  assert sh([py, "-c", "import importlib.util as u; print(u.find_spec('torch'))"], env=env).stdout.strip() == "None"
+
+  w, report, hf = tmp_path / "w", tmp_path / "report", tmp_path / "hf"
+  base = ["--config", "configs/demo.py:test", "--workdir", str(w), f"--config.data.data_dir={tfds_dir}",
+          f"--config.compilation_cache_dir={CACHE}"]
+  sh([py, "train.py", *base, "--config.total_steps=2", "--config.checkpoint_every=2", "--config.eval_every=2"],
+     env=env)
+  out = sh([py, "eval.py", *base, "--report", str(report)], env=env).stdout
+  assert "text->image" in out and os.path.exists(report / "index.html")
+  tb = sh([str(venv / "bin" / "tensorboard"), "--inspect", "--logdir", str(w / "tensorboard")], env=env)
+  assert "scalars" in tb.stdout
+  code = ("import sys, glob; from tensorboard.backend.event_processing.event_accumulator import EventAccumulator; "
+          "a = EventAccumulator(sys.argv[1]); a.Reload(); print(sorted(a.Tags()['scalars']))")
+  tags = sh([py, "-c", code, str(w / "tensorboard")], env=env).stdout
+  assert "eval/t2i/R1" in tags and "'loss'" in tags, tags
+  sh([py, "-m", "hnclip_jax.pretrained.export", str(w), str(hf)], env=env)
+  assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(hf))
+
+  # pip install . puts the package on the path anywhere; the exported safetensors directory loads without PyTorch.
+  sh([py, "-m", "pip", "install", "-q", "."], env=env, timeout=600)
+  code = ("from hnclip_jax import pretrained; import sys; m = pretrained.load(sys.argv[1]); "
+          "e = m.encode_texts(['a small red circle', 'a large blue square']); print(e.shape)")
+  got = sh([py, "-c", code, str(hf)], cwd=tmp_path, env=env).stdout.strip()
+  assert got == "(2, 32)", got
