@@ -67,7 +67,16 @@ def base_config() -> ml_collections.ConfigDict:
   # train_logit_scale: learn CLIP's logit scale (its parameter is clamped to [0, ln 100] after every update).
   c.optimizer = ml_collections.ConfigDict({
       "lr": 5e-4, "weight_decay": 0.1, "warmup_steps": 50,
-      "b1": 0.9, "b2": 0.98, "eps": 1e-6, "grad_clip_norm": 1.0, "train_logit_scale": True})
+      "b1": 0.9, "b2": 0.98, "eps": 1e-6, "grad_clip_norm": 1.0, "train_logit_scale": True,
+      # lr_multipliers: ((regex, factor), ...); the first regex found in a parameter's path ("vision/blocks/3/fc1/
+      # kernel", "text_projection", ...) scales its learning rate (and decoupled weight decay), e.g.
+      # (("^vision/", 0.1),) for a slower image tower. layer_decay: d in (0, 1], 0 = off; block i of a tower with L
+      # blocks gets d ** (L - i), its embeddings d ** (L + 1), the heads 1 (multiplied with lr_multipliers).
+      "lr_multipliers": (), "layer_decay": 0.0})
+  # finetune.freeze: regexes; parameters whose path matches one get no update and no optimizer state (e.g.
+  # ("^(vision|patch_embed|class_embedding|vision_positions|ln_pre|ln_post|visual_projection)",) locks the image
+  # tower, LiT-style).
+  c.finetune = ml_collections.ConfigDict({"freeze": ()})
   c.model = model_config("tiny", vocab_size=0, eot_token_id=-1)
   c.data = ml_collections.ConfigDict({
       # name: synthetic | docci | dci | long_dci | urban1k | coco | flickr30k | pairs.

@@ -256,6 +256,82 @@ def test_logit_scale_never_exceeds_100_and_can_be_frozen(tiny):
   assert moments == []  # AdamW's mu/nu of a scalar parameter would be fp32 scalars
 
 
+IMAGE_TOWER = "^(vision/|patch_embed|class_embedding|vision_positions|ln_pre|ln_post|visual_projection)"
+
+
+def test_freeze_the_image_tower(tiny):
+  """config.finetune.freeze (LiT): the frozen tower is bit-identical after several full train steps, the text tower
+  moves, and AdamW keeps moments only for the trained parameters."""
+  graphdef, params, pixels, tokens, _ = tiny
+  config = config_lib.base_config()
+  config.optimizer.update(dict(lr=0.05, warmup_steps=0))
+  tx = train_step.make_optimizer(config.optimizer, 10, freeze=(IMAGE_TOWER,))
+  step, state = _step(graphdef, params, tx, lr=0.05, warmup_steps=0)
+  before = jax.tree.map(lambda x: np.asarray(x).copy(), state["params"])
+  for _ in range(3):
+    state, _ = step(state, {"image": pixels, "tokens": tokens})
+  flat = {train_step.param_path(p): (np.asarray(x), before_x) for (p, x), before_x in zip(
+      jax.tree_util.tree_flatten_with_path(state["params"])[0], jax.tree.leaves(before))}
+  frozen = [k for k in flat if re.search(IMAGE_TOWER, k)]
+  assert len(frozen) > 10 and all(flat[k][0].tobytes() == flat[k][1].tobytes() for k in frozen)
+  assert not np.array_equal(*flat["text/blocks/0/fc1/kernel"])
+  trained = [v[0] for k, v in flat.items() if k not in frozen]
+  adam = [s for s in jax.tree.leaves(state["opt_state"], is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+          if isinstance(s, optax.ScaleByAdamState)]
+  assert len(adam) == 1
+  mu = jax.tree.leaves(adam[0].mu)  # frozen leaves are optax.MaskedNode: no arrays
+  assert sorted(x.size for x in mu) == sorted(x.size for x in trained)
+  with pytest.raises(ValueError, match=r"config.finetune.freeze: '\^visoin/' matches no parameter"):
+    train_step.init_state(params, train_step.make_optimizer(config.optimizer, 10, freeze=("^visoin/",)))
+
+
+def _one_adamw_update(opt_overrides, params, grads):
+  config = config_lib.base_config()
+  config.optimizer.update(dict(lr=0.01, warmup_steps=0, grad_clip_norm=0.0, weight_decay=0.1, **opt_overrides))
+  tx = train_step.make_optimizer(config.optimizer, 10)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  return {train_step.param_path(p): np.asarray(u) for p, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
+
+
+def _adamw_first_step(g, p, lr, wd, eps=1e-6):
+  """AdamW's first update by hand: bias-corrected m = g, v = g², so g / (|g| + eps); decay on matrices only."""
+  g, p = np.asarray(g, np.float64), np.asarray(p, np.float64)
+  return -lr * (g / (np.abs(g) + eps) + (wd * p if p.ndim >= 2 else 0))
+
+
+def test_lr_multipliers_and_layer_decay_against_hand_computed_updates(tiny):
+  _, params, _, _, _ = tiny
+  r = np.random.default_rng(0)
+  grads = jax.tree.map(lambda x: jnp.asarray(r.normal(size=x.shape), x.dtype), params)
+  flat_p = {train_step.param_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  flat_g = {train_step.param_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(grads)[0]}
+  depth_v = len(params["vision"]["blocks"])
+  depth_t = len(params["text"]["blocks"])
+  # (rule, factor) pairs: the first matching regex wins.
+  mult = (("^vision/blocks/0/", 0.5), ("^vision/", 0.1), ("projection", 2.0))
+  got = _one_adamw_update({"lr_multipliers": mult}, params, grads)
+  for k, u in got.items():
+    f = 0.5 if k.startswith("vision/blocks/0/") else 0.1 if k.startswith("vision/") else 2.0 if "projection" in k \
+        else 1.0
+    np.testing.assert_allclose(u, f * _adamw_first_step(flat_g[k], flat_p[k], 0.01, 0.1), rtol=1e-5, atol=1e-9,
+                               err_msg=k)
+  # Layer decay d: block i of a tower with L blocks gets d^(L - i), its embeddings d^(L + 1), heads 1.
+  d = 0.5
+  got = _one_adamw_update({"layer_decay": d, "lr_multipliers": (("^text_projection$", 3.0),)}, params, grads)
+  want_factor = {"vision/blocks/0/fc1/kernel": d ** depth_v, f"vision/blocks/{depth_v - 1}/attn/q/bias": d,
+                 "text/blocks/0/ln1/scale": d ** depth_t, "patch_embed/kernel": d ** (depth_v + 1),
+                 "class_embedding": d ** (depth_v + 1), "token_embedding/embedding": d ** (depth_t + 1),
+                 "text_positions": d ** (depth_t + 1), "ln_final/scale": 1.0, "visual_projection": 1.0,
+                 "text_projection": 3.0, "logit_scale": 1.0}
+  for k, f in want_factor.items():
+    np.testing.assert_allclose(got[k], f * _adamw_first_step(flat_g[k], flat_p[k], 0.01, 0.1), rtol=1e-5,
+                               atol=1e-9, err_msg=k)
+  with pytest.raises(ValueError, match="lr_multipliers: 'nothing_here' matches no parameter"):
+    _one_adamw_update({"lr_multipliers": (("nothing_here", 2.0),)}, params, grads)
+  with pytest.raises(ValueError, match="is not a \\(regex, factor >= 0\\) pair"):
+    _one_adamw_update({"lr_multipliers": ("^vision/",)}, params, grads)
+
+
 def test_checkpoints_from_before_token_projection_still_resume():
   """Workdirs written before config.model.token_projection existed have no such field: it reads as the default."""
   import dataclasses
