@@ -88,7 +88,9 @@ def main(argv):
                     out_shardings=shardings)()
   start = int(state["step"])
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-  log(f"model: {n_params / 1e6:.2f}M parameters, {model_cfg}")
+  n_trained = sum(x.size for x in jax.tree.leaves(train_step.trained_params(state["opt_state"])))
+  log(f"model: {n_params / 1e6:.2f}M parameters ({n_trained / 1e6:.3f}M trained, finetune.method="
+      f"{config.finetune.method}), {model_cfg}")
 
   step_fn = program.step
   embed_fn = train_step.make_embed_fn(graphdef, mesh, shardings["params"])

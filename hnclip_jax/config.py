@@ -76,7 +76,11 @@ def base_config() -> ml_collections.ConfigDict:
   # finetune.freeze: regexes; parameters whose path matches one get no update and no optimizer state (e.g.
   # ("^(vision|patch_embed|class_embedding|vision_positions|ln_pre|ln_post|visual_projection)",) locks the image
   # tower, LiT-style).
-  c.finetune = ml_collections.ConfigDict({"freeze": ()})
+  # finetune.method: "full" (every parameter), "lora" or "dora" (adapters of rank `rank`, update scale alpha / rank,
+  # on the dense layers whose module path matches one of `targets`, e.g. "attn/(q|v)$" or "^text/.*fc1$"; everything
+  # else frozen). LoRA dropout is not implemented: `dropout` must be 0.
+  c.finetune = ml_collections.ConfigDict({"method": "full", "rank": 16, "alpha": 16.0, "dropout": 0.0,
+                                          "targets": (r"attn/(q|k|v|out)$", r"fc1$", r"fc2$"), "freeze": ()})
   c.model = model_config("tiny", vocab_size=0, eot_token_id=-1)
   c.data = ml_collections.ConfigDict({
       # name: synthetic | docci | dci | long_dci | urban1k | coco | flickr30k | pairs.
@@ -112,6 +116,27 @@ def flatten(cfg, prefix="") -> dict:
   return out
 
 
+FINETUNE_METHODS = {"full": "none", "lora": "lora", "dora": "dora"}
+
+
+def adapter_fields(config) -> dict:
+  """config.finetune -> the model's adapter fields (CLIPConfig.adapter*); raises naming the bad key."""
+  ft = config.finetune
+  if ft.method not in FINETUNE_METHODS:
+    raise ValueError(f"config.finetune.method={ft.method!r}; choose one of {sorted(FINETUNE_METHODS)}")
+  if ft.dropout:
+    raise ValueError(f"config.finetune.dropout={ft.dropout!r}: LoRA dropout is not implemented; set it to 0")
+  targets = [ft.targets] if isinstance(ft.targets, str) else list(ft.targets)
+  if ft.method != "full" and not targets:
+    raise ValueError("config.finetune.targets is empty: name the layers to adapt, e.g. ('attn/(q|v)$',)")
+  if ft.method != "full" and (int(ft.rank) <= 0 or float(ft.alpha) <= 0):
+    raise ValueError(f"config.finetune.rank={ft.rank} and alpha={ft.alpha} must be positive")
+  if ft.method == "full":
+    return {"adapter": "none"}
+  return {"adapter": FINETUNE_METHODS[ft.method], "adapter_rank": int(ft.rank), "adapter_alpha": float(ft.alpha),
+          "adapter_targets": "|".join(f"(?:{t})" for t in targets)}
+
+
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Raises ValueError naming the offending key/value and the fix; returns the config unchanged."""
   known, given = flatten(base_config()), flatten(config)
@@ -134,6 +159,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   # attention="cudnn" needs the backend and comes later, in experiment.runtime).
   dataclasses.replace(PRESETS["tiny"], token_projection=config.model.token_projection,
                       **{k: config[k] for k in RUNTIME_FIELDS}).validate()
+  adapter_fields(config)  # config.finetune.* checked here too
   if config.on_nonfinite not in ("error", "skip"):
     raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; choose 'error' or 'skip'")
   axes = [config.mesh[a] for a in ("data", "fsdp", "tensor")]

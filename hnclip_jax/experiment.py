@@ -16,8 +16,8 @@ from hnclip_jax.checkpoint import IncompatibleCheckpoint
 from hnclip_jax.data import builders, pipeline
 from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.evaluation import recall_at_k
-from hnclip_jax.config import RUNTIME_FIELDS
-from hnclip_jax.models import CLIPConfig
+from hnclip_jax.config import RUNTIME_FIELDS, adapter_fields
+from hnclip_jax.models import CLIPConfig, adapters
 from hnclip_jax.workdir import DATA_LOCATION_KEYS, Workdir, check_model_compatible, config_changes
 
 
@@ -123,15 +123,18 @@ def resolve_model(config, wd: Workdir, *, training: bool):
   cfg = wd.model()
   if cfg is not None:
     tok = wd.tokenizer()
+    if training:  # the adapters are the workdir's (eval and pretrained.load need not repeat config.finetune)
+      check_adapters(cfg, config, wd.model_json)
     if not config.init_from:
-      check_model_compatible(dataclasses.asdict(cfg), model_config(config, tok), wd.model_json)
+      expected = dataclasses.replace(model_config(config, tok), **{k: getattr(cfg, k) for k in ADAPTER_KEYS})
+      check_model_compatible(dataclasses.asdict(cfg), expected, wd.model_json)
     return runtime(cfg, config), tok, None
   if not training:
     raise FileNotFoundError(f"{wd.model_json} is missing: {wd.path} is not a train.py workdir (train first)")
   params = None
   if config.init_from:
     from hnclip_jax import pretrained
-    pre = pretrained.load(config.init_from)
+    pre = pretrained.load(config.init_from).merged()  # an adapter workdir starts from its folded weights
     if config.model.text_context > pre.config.text_context:
       pre = pre.with_text_context(config.model.text_context)
     pre = pre.with_token_projection(config.model.token_projection)
@@ -139,6 +142,9 @@ def resolve_model(config, wd: Workdir, *, training: bool):
       raise FileNotFoundError(f"config.init_from={config.init_from} has no tokenizer files next to the weights "
                               "(vocab.json + merges.txt, tokenizer.json or bpe_simple_vocab_16e6.txt.gz)")
     cfg, tok, params = runtime(pre.config, config), pre.tokenizer, pre.params
+    cfg = dataclasses.replace(cfg, **adapter_fields(config)).validate()
+    if cfg.adapter != "none":
+      params = adapters.add_adapters(params, cfg, config.seed)
   else:
     tok = get_tokenizer(config, wd, fit_if_missing=True)
     cfg = model_config(config, tok)
@@ -183,7 +189,23 @@ def model_config(config, tokenizer) -> CLIPConfig:
   if d["vocab_size"] < tokenizer.vocab_size:
     raise ValueError(f"config.model.vocab_size={d['vocab_size']} is smaller than the tokenizer's "
                      f"vocabulary ({tokenizer.vocab_size}); set it to 0 to take the tokenizer's size")
-  return runtime(CLIPConfig.from_dict(d), config)
+  return runtime(CLIPConfig.from_dict({**d, **adapter_fields(config)}), config)
+
+
+ADAPTER_KEYS = {"adapter": "method", "adapter_rank": "rank", "adapter_alpha": "alpha", "adapter_targets": "targets"}
+
+
+def check_adapters(cfg: CLIPConfig, config, where: str) -> None:
+  """The workdir's adapters (model.json) must be what config.finetune asks for; raises naming the differences."""
+  want = {**{k: getattr(CLIPConfig, k) for k in ADAPTER_KEYS}, **adapter_fields(config)}
+  have = {k: getattr(cfg, k) for k in ADAPTER_KEYS}
+  if have["adapter"] == want["adapter"] == "none":
+    return
+  diffs = [f"config.finetune.{ADAPTER_KEYS[k]}: workdir={have[k]!r}, config={want[k]!r}" for k in ADAPTER_KEYS
+           if have[k] != want[k]]
+  if diffs:
+    raise ValueError(f"{where} was trained with other adapters: {'; '.join(diffs)}. Use its settings, or start a "
+                     "fresh --workdir (--config.init_from=THAT_WORKDIR merges its adapters into the new start)")
 
 
 def truncation_report(config, tokenizer) -> str:

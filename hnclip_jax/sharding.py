@@ -22,6 +22,16 @@ DEFAULT_RULES = "embed=fsdp,heads=tensor,mlp=tensor,vocab=tensor"
 # (regex on the "/"-joined parameter path, logical axis per dimension); first match wins.
 # "norm" and None are never sharded (small vectors are not worth a collective).
 LOGICAL_AXES = (
+    # LoRA / DoRA adapters (models/adapters.py): A [in, r] and B [r, out] split like the kernel they adapt.
+    (r"attn/(q|k|v)/lora/lora_a$", ("embed", None)),
+    (r"attn/(q|k|v)/lora/lora_b$", (None, "heads")),
+    (r"attn/out/lora/lora_a$", ("heads", None)),
+    (r"attn/out/lora/lora_b$", (None, "embed")),
+    (r"fc1/lora/lora_a$", ("embed", None)),
+    (r"fc1/lora/lora_b$", (None, "mlp")),
+    (r"fc2/lora/lora_a$", ("mlp", None)),
+    (r"fc2/lora/lora_b$", (None, "embed")),
+    (r"magnitude$", "replicated"),
     (r"attn/(q|k|v)/kernel$", ("embed", "heads")),
     (r"attn/(q|k|v)/bias$", ("heads",)),
     (r"attn/out/kernel$", ("heads", "embed")),

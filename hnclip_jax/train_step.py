@@ -11,7 +11,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hnclip_jax import sharding
-from hnclip_jax.models import bind
+from hnclip_jax.models import adapters, bind
 from hnclip_jax.models.clip import LOGIT_SCALE_PARAM_MAX
 from hnclip_jax.objective import GLOBAL_OUTPUTS, Objective
 
@@ -101,6 +101,22 @@ def lr_factors(opt_cfg, paths: list[str]) -> dict:
   return out
 
 
+def frozen_predicate(opt_cfg, freeze):
+  """path -> True for the parameters that get no update: matching a `freeze` regex, or the logit scale with
+  config.optimizer.train_logit_scale=False."""
+  patterns = _patterns(freeze, "config.finetune.freeze")
+  return lambda p: (p == SCALE_PARAM and not opt_cfg.get("train_logit_scale", True)) or any(
+      pat.search(p) for pat in patterns)
+
+
+def freeze_patterns(config, model_cfg) -> tuple:
+  """config.finetune.freeze, plus every non-adapter parameter for LoRA / DoRA."""
+  freeze = [config.finetune.freeze] if isinstance(config.finetune.freeze, str) else list(config.finetune.freeze)
+  if model_cfg.adapter != "none":
+    freeze.append(adapters.NOT_ADAPTER)
+  return tuple(freeze)
+
+
 def make_optimizer(opt_cfg, total_steps: int, freeze=()) -> optax.GradientTransformation:
   """AdamW with warmup-cosine schedule; weight decay only on matrices (no biases, norms, scale).
 
@@ -126,6 +142,8 @@ def make_optimizer(opt_cfg, total_steps: int, freeze=()) -> optax.GradientTransf
   if opt_cfg.get("train_logit_scale", True) and not freeze:
     return tx
 
+  frozen = frozen_predicate(opt_cfg, freeze)
+
   def labels(params):
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     paths = [param_path(p) for p, _ in flat]
@@ -133,13 +151,17 @@ def make_optimizer(opt_cfg, total_steps: int, freeze=()) -> optax.GradientTransf
       if not any(pat.search(p) for p in paths):
         raise ValueError(f"config.finetune.freeze: {pat.pattern!r} matches no parameter (paths look like "
                          f"{paths[len(paths) // 2]!r})")
-    frozen = lambda p: (p == SCALE_PARAM and not opt_cfg.get("train_logit_scale", True)) or any(  # noqa: E731
-        pat.search(p) for pat in freeze)
     if all(frozen(p) for p in paths):
       raise ValueError("config.finetune.freeze freezes every parameter; nothing would be trained")
     return jax.tree_util.tree_map_with_path(lambda p, _: "frozen" if frozen(param_path(p)) else "train", params)
 
   return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+def trained_params(opt_state) -> list:
+  """The parameters the optimizer updates, as AdamW's first moments (frozen ones have none)."""
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+  return [leaf for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s) for leaf in jax.tree.leaves(s.mu)]
 
 
 def clamp_logit_scale(params: dict) -> dict:
@@ -285,14 +307,21 @@ def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, neg
   return micro_batch_negatives if negatives == "micro_batch" else global_batch_negatives
 
 
-def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings):
-  """Returns jitted step(state, batch) -> (state, metrics); the state is donated."""
+def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings, frozen=None):
+  """Returns jitted step(state, batch) -> (state, metrics); the state is donated.
+
+  frozen: path -> bool (`frozen_predicate`); those parameters enter the loss through stop_gradient, so XLA computes
+  no weight gradient for them (LoRA's saving) and grad_norm is that of the trained parameters."""
   objective = Objective.from_config(config.loss)
   grad_fn = make_grad_fn(graphdef, mesh, objective, config.grad_accum_steps, config.loss.negatives)
   clamp = config.optimizer.train_logit_scale
 
   def step(state, batch):
-    (loss, terms), grads = grad_fn(state["params"], batch)
+    params = state["params"]
+    if frozen is not None:
+      params = jax.tree_util.tree_map_with_path(
+          lambda p, x: jax.lax.stop_gradient(x) if frozen(param_path(p)) else x, params)
+    (loss, terms), grads = grad_fn(params, batch)
     grad_norm = optax.tree.norm(grads)
     # A non-finite loss or gradient leaves parameters and optimizer state as they were; the host decides
     # (config.on_nonfinite) whether that ends the run or is only counted. A cond rather than a select of old vs
@@ -362,11 +391,13 @@ def build_program(config, model_cfg, mesh, rules) -> Program:
   """The train step of `config` for architecture `model_cfg` on `mesh`: optimizer, state shardings, jitted step."""
   from hnclip_jax.models import abstract_model
   graphdef, abstract_params = abstract_model(model_cfg)
-  tx = make_optimizer(config.optimizer, config.total_steps, config.finetune.freeze)
+  freeze = freeze_patterns(config, model_cfg)
+  tx = make_optimizer(config.optimizer, config.total_steps, freeze)
   schedule = lr_schedule(config.optimizer, config.total_steps)
   abstract_state = jax.eval_shape(lambda p: init_state(p, tx), abstract_params)
   shardings = sharding.state_shardings(abstract_state, "params", mesh, rules)
-  step = make_train_step(graphdef, tx, mesh, config, schedule, shardings)
+  frozen = frozen_predicate(config.optimizer, freeze) if freeze else None
+  step = make_train_step(graphdef, tx, mesh, config, schedule, shardings, frozen=frozen)
   return Program(graphdef, tx, schedule, abstract_state, shardings, step, Objective.from_config(config.loss))
 
 

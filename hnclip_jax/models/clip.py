@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,13 @@ class CLIPConfig:
   # projection ("shared", no new parameters) or with a projection of their own ("separate": visual_token_projection
   # and text_token_projection, initialised as copies of the towers' projections when starting from weights).
   token_projection: str = "shared"
+  # Parameter-efficient fine-tuning (config.finetune): "none", "lora" or "dora" adapters on the dense layers whose
+  # module path ("vision/blocks/3/attn/q", "text/blocks/0/fc1", ...) matches adapter_targets (a regex), with rank
+  # adapter_rank and update scale adapter_alpha / adapter_rank (see hnclip_jax/models/adapters.py).
+  adapter: str = "none"
+  adapter_rank: int = 16
+  adapter_alpha: float = 16.0
+  adapter_targets: str = r"attn/(q|k|v|out)$|fc1$|fc2$"
 
   @classmethod
   def from_dict(cls, d) -> "CLIPConfig":
@@ -80,6 +88,12 @@ class CLIPConfig:
       raise ValueError(f"config.model.token_projection={self.token_projection!r}; choose one of {TOKEN_PROJECTIONS}")
     if self.act not in ACTIVATIONS:
       raise ValueError(f"config.model.act={self.act!r}; choose one of {sorted(ACTIVATIONS)}")
+    if self.adapter not in ADAPTERS:
+      raise ValueError(f"config.finetune.method={self.adapter!r}; choose one of full, lora, dora")
+    try:
+      re.compile(self.adapter_targets)
+    except re.error as e:
+      raise ValueError(f"config.finetune.targets={self.adapter_targets!r} is not a regular expression ({e})") from e
     if not 0 <= self.eot_token_id < self.vocab_size:
       raise ValueError(f"config.model.eot_token_id={self.eot_token_id} is outside the vocabulary "
                        f"(vocab_size={self.vocab_size})")
@@ -87,6 +101,57 @@ class CLIPConfig:
 
 
 TOKEN_PROJECTIONS = ("shared", "separate")
+ADAPTERS = ("none", "lora", "dora")
+
+
+class LoRALinear(nnx.LoRALinear):
+  """Flax's nnx.LoRALinear (kernel and bias where nnx.Linear keeps them, plus lora/lora_a [in, r] and
+  lora/lora_b [r, out], lora_b zero at init) with LoRA's scaling: y = x W + b + (alpha / r) x A B."""
+
+  def __init__(self, in_features, out_features, *, scale: float, **kwargs):
+    super().__init__(in_features, out_features, **kwargs)
+    self.scale = scale
+
+  def __call__(self, x):
+    return nnx.Linear.__call__(self, x) + self.scale * self.lora(x)
+
+
+def column_norm(w):
+  """L2 norm of each output unit's weights: kernel [in, out] -> [out] (DoRA's ||.||_c), in fp32."""
+  w = w.astype(jnp.float32)
+  return jnp.sqrt(jnp.sum(w * w, axis=0))
+
+
+class DoRALinear(nnx.LoRALinear):
+  """DoRA (Liu et al., 2024): the kernel split into a magnitude m [out] and a direction V = W + (alpha / r) A B,
+  recombined as m * V / ||V||_c in every forward pass (column norms recomputed, gradients through them), so the
+  low-rank update moves the direction and m the length. m starts at ||W||_c (set by adapters.add_adapters)."""
+
+  def __init__(self, in_features, out_features, *, scale: float, **kwargs):
+    super().__init__(in_features, out_features, **kwargs)
+    self.scale = scale
+    self.magnitude = nnx.Param(jnp.ones((out_features,), jnp.float32))
+
+  def __call__(self, x):
+    v = self.kernel[...].astype(jnp.float32) + self.scale * (self.lora.lora_a[...] @ self.lora.lora_b[...])
+    w = v * (self.magnitude[...] / column_norm(v))
+    dt = self.dtype or x.dtype
+    y = x.astype(dt) @ w.astype(dt)
+    return y + self.bias[...].astype(dt) if self.bias is not None else y
+
+
+def dense_factory(cfg, dtype, rngs):
+  """-> dense(path, in, out, init): nnx.Linear, or an adapter layer where cfg.adapter_targets matches the path."""
+  pattern = re.compile(cfg.adapter_targets) if cfg is not None and cfg.adapter != "none" else None
+
+  def dense(path, din, dout, init):
+    if pattern is not None and pattern.search(path):
+      cls = LoRALinear if cfg.adapter == "lora" else DoRALinear
+      return cls(din, dout, scale=cfg.adapter_alpha / cfg.adapter_rank, lora_rank=cfg.adapter_rank, lora_dtype=dtype,
+                 kernel_init=init, dtype=dtype, rngs=rngs)
+    return nnx.Linear(din, dout, kernel_init=init, dtype=dtype, rngs=rngs)
+
+  return dense
 
 
 def quick_gelu(x):
@@ -132,14 +197,14 @@ PRESETS = {
 class Attention(nnx.Module):
   """Multi-head self-attention with separate q/k/v projections (the Hugging Face layout)."""
 
-  def __init__(self, width, heads, *, dtype, rngs, implementation="auto"):
+  def __init__(self, width, heads, *, dtype, rngs, implementation="auto", dense=None, prefix="attn"):
     if implementation not in ATTENTION_IMPLS:
       raise ValueError(f"config.attention={implementation!r}; choose one of {list(ATTENTION_IMPLS)}")
     self.heads = heads
     self.implementation = implementation
     init = nnx.initializers.normal(width ** -0.5)
-    mk = lambda: nnx.Linear(width, width, kernel_init=init, dtype=dtype, rngs=rngs)
-    self.q, self.k, self.v, self.out = mk(), mk(), mk(), mk()
+    dense = dense or dense_factory(None, dtype, rngs)
+    self.q, self.k, self.v, self.out = (dense(f"{prefix}/{n}", width, width, init) for n in ("q", "k", "v", "out"))
 
   def __call__(self, x, causal, length=None):
     """x: [B, L, W], or the tokens flattened to [B*L, W] with `length` = L (see Transformer)."""
@@ -162,13 +227,15 @@ class Attention(nnx.Module):
 class Block(nnx.Module):
   """Pre-LN residual block: x + attn(ln(x)); x + mlp(ln(x))."""
 
-  def __init__(self, width, heads, mlp_dim, act, eps, *, dtype, rngs, attention="auto"):
+  def __init__(self, width, heads, mlp_dim, act, eps, *, dtype, rngs, attention="auto", dense=None, prefix="block"):
+    dense = dense or dense_factory(None, dtype, rngs)
     self.ln1 = nnx.LayerNorm(width, epsilon=eps, dtype=dtype, rngs=rngs)
-    self.attn = Attention(width, heads, dtype=dtype, rngs=rngs, implementation=attention)
+    self.attn = Attention(width, heads, dtype=dtype, rngs=rngs, implementation=attention, dense=dense,
+                          prefix=f"{prefix}/attn")
     self.ln2 = nnx.LayerNorm(width, epsilon=eps, dtype=dtype, rngs=rngs)
     init = nnx.initializers.normal((2 * width) ** -0.5)
-    self.fc1 = nnx.Linear(width, mlp_dim, kernel_init=init, dtype=dtype, rngs=rngs)
-    self.fc2 = nnx.Linear(mlp_dim, width, kernel_init=init, dtype=dtype, rngs=rngs)
+    self.fc1 = dense(f"{prefix}/fc1", width, mlp_dim, init)
+    self.fc2 = dense(f"{prefix}/fc2", mlp_dim, width, init)
     self.act = ACTIVATIONS[act]
 
   def __call__(self, x, causal, length=None):
@@ -178,9 +245,10 @@ class Block(nnx.Module):
 
 class Transformer(nnx.Module):
 
-  def __init__(self, width, layers, heads, mlp_dim, act, eps, *, dtype, rngs, remat="none", attention="auto"):
-    self.blocks = nnx.List([Block(width, heads, mlp_dim, act, eps, dtype=dtype, rngs=rngs, attention=attention)
-                            for _ in range(layers)])
+  def __init__(self, width, layers, heads, mlp_dim, act, eps, *, dtype, rngs, remat="none", attention="auto",
+               dense=None, prefix="blocks"):
+    self.blocks = nnx.List([Block(width, heads, mlp_dim, act, eps, dtype=dtype, rngs=rngs, attention=attention,
+                                  dense=dense, prefix=f"{prefix}/blocks/{i}") for i in range(layers)])
     self.remat = remat
 
   def __call__(self, x, causal, keep: int | None = None):
@@ -223,15 +291,18 @@ class CLIP(nnx.Module):
     self.class_embedding = nnx.Param(normal(vw ** -0.5)(rngs.params(), (vw,)))
     self.vision_positions = nnx.Param(normal(vw ** -0.5)(rngs.params(), (n_patches + 1, vw)))
     self.ln_pre = nnx.LayerNorm(vw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
+    dense = dense_factory(cfg, dt, rngs)
     self.vision = Transformer(vw, cfg.vision_layers, cfg.vision_heads, cfg.vision_mlp_dim, cfg.act, cfg.ln_eps,
-                              dtype=dt, rngs=rngs, remat=cfg.remat, attention=cfg.attention)
+                              dtype=dt, rngs=rngs, remat=cfg.remat, attention=cfg.attention, dense=dense,
+                              prefix="vision")
     self.ln_post = nnx.LayerNorm(vw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
     self.visual_projection = nnx.Param(normal(vw ** -0.5)(rngs.params(), (vw, cfg.embed_dim)))
     # Text tower.
     self.token_embedding = nnx.Embed(cfg.vocab_size, tw, embedding_init=normal(0.02), dtype=dt, rngs=rngs)
     self.text_positions = nnx.Param(normal(0.01)(rngs.params(), (cfg.text_context, tw)))
     self.text = Transformer(tw, cfg.text_layers, cfg.text_heads, cfg.text_mlp_dim, cfg.act, cfg.ln_eps,
-                            dtype=dt, rngs=rngs, remat=cfg.remat, attention=cfg.attention)
+                            dtype=dt, rngs=rngs, remat=cfg.remat, attention=cfg.attention, dense=dense,
+                            prefix="text")
     self.ln_final = nnx.LayerNorm(tw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
     self.text_projection = nnx.Param(normal(tw ** -0.5)(rngs.params(), (tw, cfg.embed_dim)))
     self.logit_scale = nnx.Param(jnp.asarray(math.log(1 / 0.07), jnp.float32))
@@ -328,7 +399,13 @@ def abstract_model(cfg: CLIPConfig):
 
 
 def init_params(cfg: CLIPConfig, seed: int):
-  """Returns (graphdef, params) of a freshly initialised model."""
+  """Returns (graphdef, params) of a freshly initialised model (adapters, if any, added to the base weights as
+  `adapters.add_adapters` does for pretrained ones)."""
+  if cfg.adapter != "none":
+    from hnclip_jax.models import adapters
+    _, base = split_params(CLIP(adapters.base_config(cfg), rngs=nnx.Rngs(seed)))
+    graphdef, _ = abstract_model(cfg)
+    return graphdef, adapters.add_adapters(base, cfg, seed)
   return split_params(CLIP(cfg, rngs=nnx.Rngs(seed)))
 
 

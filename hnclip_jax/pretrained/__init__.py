@@ -100,6 +100,14 @@ class Pretrained:
                   text_token_projection=np.array(self.params["text_projection"]))
     return Pretrained(dataclasses.replace(self.config, token_projection=kind), params, self.tokenizer, self.source)
 
+  def merged(self) -> "Pretrained":
+    """The same model with its LoRA / DoRA adapters folded into plain weights (itself when it has none)."""
+    if self.config.adapter == "none":
+      return self
+    from hnclip_jax.models import adapters
+    cfg, params = adapters.merge_adapters(self.params, self.config)
+    return Pretrained(cfg, jax.device_get(params), self.tokenizer, self.source + " (adapters merged)")
+
   def save(self, out_dir: str) -> None:
     """Writes an Orbax checkpoint of the parameters, model.json and the tokenizer: loadable without PyTorch."""
     import orbax.checkpoint as ocp

@@ -4,7 +4,7 @@
   python -m hnclip_jax.pretrained.export SOURCE OUT [--format hf|openai] [--step N]
 
 SOURCE: anything `pretrained.load` reads (a train.py workdir, optionally at --step, a converted directory, a Hugging
-Face directory, an OpenAI/Long-CLIP .pt).
+Face directory, an OpenAI/Long-CLIP .pt). LoRA / DoRA adapters are folded into the weights first.
 
 --format=hf (default): OUT is a directory with config.json and model.safetensors that
 `transformers.CLIPModel.from_pretrained` loads (max_position_embeddings = the model's text context, 248 for
@@ -237,7 +237,7 @@ def main(argv):
   fmt, out = flags.FLAGS.format, argv[2]
   if fmt == "openai":
     check_openai_out(out)  # before loading anything
-  model = pretrained.load(argv[1], step=flags.FLAGS.step)
+  model = pretrained.load(argv[1], step=flags.FLAGS.step).merged()  # LoRA / DoRA adapters folded in first
   warnings = export_hf(model, out) if fmt == "hf" else export_openai(model, out)
   for w in warnings:
     print(f"warning: {w}")

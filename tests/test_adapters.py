@@ -1,0 +1,161 @@
+"""LoRA / DoRA: the layers against NumPy, the start equal to the base model, only adapters training, merging, and
+adapter workdirs through train.py, pretrained.load, merge_adapters and export."""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hnclip_jax import config as config_lib, sharding, train_step
+from hnclip_jax.models import CLIPConfig, abstract_model, adapters, bind, init_params
+from hnclip_jax.models.clip import DoRALinear, LoRALinear
+from conftest import listing, run_py
+
+CFG = CLIPConfig(embed_dim=16, image_size=16, patch_size=8, vision_width=32, vision_layers=2, vision_heads=2,
+                 vision_mlp_dim=48, text_context=8, vocab_size=64, text_width=32, text_layers=2, text_heads=2,
+                 text_mlp_dim=48, eot_token_id=3).validate()
+
+
+def adapted(method, rank=4, alpha=8.0):
+  return dataclasses.replace(CFG, adapter=method, adapter_rank=rank, adapter_alpha=alpha).validate()
+
+
+def inputs(seed=0):
+  r = np.random.default_rng(seed)
+  tokens = np.zeros((4, 8), np.int32)
+  tokens[:, 0], tokens[:, 1:5], tokens[:, 5] = 2, r.integers(4, 60, (4, 4)), 3
+  return r.normal(size=(4, 16, 16, 3)).astype(np.float32), tokens
+
+
+def embed(cfg, params, pixels, tokens):
+  graphdef, _ = abstract_model(cfg)
+  m = lambda p: bind(graphdef, p)  # noqa: E731
+  return (np.asarray(jax.jit(lambda p: m(p).encode_image(pixels))(params)),
+          np.asarray(jax.jit(lambda p: m(p).encode_text(tokens))(params)))
+
+
+def randomize_adapters(params, seed=1, scale=0.3):
+  key = jax.random.key(seed)
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: x + scale * jax.random.normal(jax.random.fold_in(key, hash(adapters.path_of(p)) % 2**31), x.shape)
+      if adapters.is_adapter(adapters.path_of(p)) else x, params)
+
+
+@pytest.mark.parametrize("cls", [LoRALinear, DoRALinear])
+def test_layers_match_numpy(cls):
+  """y = x W + b + (α/r) x A B (LoRA); y = x (m ⊙ V / ||V||_c) + b with V = W + (α/r) A B (DoRA)."""
+  layer = cls(6, 5, scale=1.5, lora_rank=2, rngs=nnx.Rngs(0))
+  r = np.random.default_rng(0)
+  w, b, a, bb = (r.normal(size=s).astype(np.float32) for s in ((6, 5), (5,), (6, 2), (2, 5)))
+  layer.kernel[...], layer.bias[...], layer.lora.lora_a[...], layer.lora.lora_b[...] = w, b, a, bb
+  x = r.normal(size=(3, 6)).astype(np.float32)
+  x64, w64, a64, b64 = (v.astype(np.float64) for v in (x, w, a, bb))
+  if cls is LoRALinear:
+    want = x64 @ w64 + b + 1.5 * x64 @ a64 @ b64
+  else:
+    m = r.uniform(0.5, 2.0, 5).astype(np.float32)
+    layer.magnitude[...] = m
+    v = w64 + 1.5 * a64 @ b64
+    want = x64 @ (m * v / np.linalg.norm(v, axis=0)) + b
+  np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x))), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_adapted_model_starts_as_the_base_model(method):
+  """B = 0 and (DoRA) m = ||W||_c: folding the fresh adapters gives back the base parameters (LoRA bit for bit,
+  DoRA to an ulp), and the
+  adapted model's embeddings equal the base model's (to 1e-6: XLA compiles the adapted program differently, e.g.
+  reassociating the zero low-rank term, so the outputs are not promised bitwise)."""
+  _, base = init_params(CFG, 0)
+  cfg = adapted(method)
+  params = adapters.add_adapters(base, cfg, seed=1)
+  n_adapter, n_all = adapters.sizes(params)
+  assert 0 < n_adapter < 0.2 * n_all
+  _, folded = adapters.merge_adapters(params, cfg)
+  assert jax.tree.structure(folded) == jax.tree.structure(base)
+  for (p, x), y in zip(jax.tree_util.tree_flatten_with_path(folded)[0], jax.tree.leaves(base)):
+    if method == "lora":  # W + (α/r) A·0 is W exactly
+      assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), adapters.path_of(p)
+    else:  # m / ||V||_c is 1 up to an ulp (the norm is reduced in two different XLA programs)
+      np.testing.assert_allclose(x, y, rtol=3e-7, atol=0, err_msg=adapters.path_of(p))
+  pixels, tokens = inputs()
+  for got, want in zip(embed(cfg, params, pixels, tokens), embed(CFG, base, pixels, tokens)):
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_merged_weights_compute_the_adapted_model(method):
+  _, base = init_params(CFG, 0)
+  cfg = adapted(method)
+  params = randomize_adapters(adapters.add_adapters(base, cfg, seed=1))
+  plain_cfg, plain = adapters.merge_adapters(params, cfg)
+  assert plain_cfg.adapter == "none"
+  pixels, tokens = inputs()
+  got, want = embed(plain_cfg, plain, pixels, tokens), embed(cfg, params, pixels, tokens)
+  assert np.abs(want[1] - embed(CFG, base, pixels, tokens)[1]).max() > 1e-2  # the adapters do something
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_only_adapters_train(method):
+  """Several train steps: every base parameter (and the logit scale) bit-identical, every adapter leaf trained,
+  and AdamW moments only for the adapters."""
+  config = config_lib.base_config()
+  config.finetune.method, config.finetune.rank, config.finetune.alpha = method, 4, 8.0
+  config.optimizer.update(dict(lr=0.01, warmup_steps=0))
+  config.total_steps, config.batch_size = 10, 4
+  cfg = dataclasses.replace(CFG, **config_lib.adapter_fields(config)).validate()
+  _, base = init_params(CFG, 0)
+  params = adapters.add_adapters(base, cfg, seed=0)
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+  program = train_step.build_program(config, cfg, mesh, sharding.parse_rules(config.mesh.rules))
+  state = jax.device_put(train_step.init_state(params, program.tx), program.shardings)
+  before = adapters.flat(jax.device_get(state["params"]))
+  pixels, tokens = inputs()
+  for _ in range(3):
+    state, metrics = program.step(state, {"image": pixels, "tokens": tokens})
+  after = adapters.flat(jax.device_get(state["params"]))
+  moved = {k for k in after if not np.array_equal(after[k], before[k])}
+  assert moved == {k for k in after if adapters.is_adapter(k)}
+  n_moments = sum(x.size for x in train_step.trained_params(state["opt_state"]))
+  assert n_moments == adapters.sizes(params)[0]
+  assert np.isfinite(float(metrics["grad_norm"])) and float(metrics["grad_norm"]) > 0
+
+
+def test_adapter_workdir_load_merge_export_and_resume(tmp_path, tfds_dir):
+  """train.py with DoRA; pretrained.load(workdir) is the adapted model; merge_adapters and export give plain weights
+  with the same embeddings (1e-5); resuming with another method stops naming it and changes nothing on disk."""
+  from hnclip_jax import pretrained
+  w = tmp_path / "w"
+  base = ["--config", "configs/demo.py:test", "--workdir", str(w), f"--config.data.data_dir={tfds_dir}"]
+  run_py(["train.py", *base, "--config.finetune.method=dora", "--config.finetune.rank=4",
+          "--config.total_steps=4", "--config.checkpoint_every=4", "--config.eval_every=4"])
+  model = pretrained.load(str(w))
+  assert model.config.adapter == "dora"
+  texts = ["a small red circle", "two large blue squares and a green triangle"]
+  pixels = np.random.default_rng(0).normal(size=(3, 32, 32, 3)).astype(np.float32)
+  want_t, want_i = model.encode_texts(texts), model.encode_pixels(pixels)
+  out = run_py(["-m", "hnclip_jax.pretrained.merge_adapters", str(w), str(tmp_path / "merged")]).stdout
+  assert "dora adapters" in out
+  merged = pretrained.load(str(tmp_path / "merged"))
+  assert merged.config.adapter == "none"
+  np.testing.assert_allclose(merged.encode_texts(texts), want_t, atol=1e-5)
+  np.testing.assert_allclose(merged.encode_pixels(pixels), want_i, atol=1e-5)
+  run_py(["-m", "hnclip_jax.pretrained.export", str(w), str(tmp_path / "hf")])
+  with open(tmp_path / "hf" / "config.json") as f:
+    assert "adapter" not in json.dumps(json.load(f))
+  np.testing.assert_allclose(pretrained.load(str(tmp_path / "hf")).encode_texts(texts), want_t, atol=1e-5)
+  ev = run_py(["eval.py", *base])  # eval needs no finetune flags: the workdir has its adapters
+  assert "text->image" in ev.stdout
+  files = listing(w)
+  bad = run_py(["train.py", *base, "--config.finetune.method=lora", "--config.finetune.rank=4",
+                "--config.total_steps=8"], check=False)
+  assert bad.returncode != 0 and "config.finetune.method" in bad.stderr and "'dora'" in bad.stderr, bad.stderr
+  assert listing(w) == files
+  plain = run_py(["-m", "hnclip_jax.pretrained.merge_adapters", str(tmp_path / "merged"), str(tmp_path / "m2")],
+                 check=False)
+  assert plain.returncode != 0 and "has no adapters" in plain.stderr
