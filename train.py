@@ -70,7 +70,8 @@ def main(argv):
   graphdef, tx, shardings, objective = program.graphdef, program.tx, program.shardings, program.objective
 
   # ---- State: newest intact checkpoint, else initial (created on its shardings) ----
-  ckpt = wd.checkpointer(max_to_keep=config.max_to_keep, async_save=config.async_checkpointing)
+  ckpt = wd.checkpointer(max_to_keep=config.max_to_keep, async_save=config.async_checkpointing,
+                         frozen=program.frozen)
   try:
     latest, state, saved_meta = ckpt.restore_latest_intact(
         program.target(), check_meta=lambda meta, where: check_model_compatible(meta.get("model"), model_cfg, where))
@@ -86,6 +87,9 @@ def main(argv):
   else:
     state = jax.jit(lambda: train_step.init_state(init_params(model_cfg, config.seed)[1], tx),
                     out_shardings=shardings)()
+  if latest is None and program.frozen is not None:
+    ckpt.save_frozen(state["params"])  # once: checkpoints then hold only what trains, and reference these
+    log(f"frozen parameters stored once in {ckpt.frozen_dir}")
   start = int(state["step"])
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   n_trained = sum(x.size for x in jax.tree.leaves(train_step.trained_params(state["opt_state"])))

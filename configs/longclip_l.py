@@ -1,6 +1,10 @@
 """The paper's recipe: HN-CLIP fine-tuning of Long-CLIP-L.
 
   python train.py --config configs/longclip_l.py:DATASET --config.init_from=/path/to/longclip-L.pt --workdir DIR
+  python train.py --config configs/longclip_l.py:DATASET,lora ...     # or ,dora: the paper's PEFT variants
+
+LoRA / DoRA variants (paper): rank 16 adapters on every attention projection and MLP layer of both towers, the
+backbone frozen, lr 5e-5 (alpha = rank, i.e. scale 1: the paper does not give alpha).
 
 Long-CLIP-L (ViT-L/14, 224 px, 248 text tokens; a 77-token CLIP is stretched as Long-CLIP does), AdamW lr 2e-6
 with cosine decay, effective batch 128 = 8 micro-batches of 16 accumulated inside the step, 10 epochs, γ = 0.5, and
@@ -16,9 +20,18 @@ from hnclip_jax.config import base_config, model_config
 TRAIN_PAIRS = {"docci": 9450, "dci": 5445, "long_dci": 5445, "urban1k": 14579, "synthetic": 4096}
 
 
-def get_config(dataset: str = "synthetic"):
-  if dataset not in TRAIN_PAIRS:
-    raise ValueError(f"configs/longclip_l.py: unknown dataset {dataset!r}; choose one of {sorted(TRAIN_PAIRS)}")
+METHODS = ("full", "lora", "dora")
+
+
+def get_config(variant: str = "synthetic"):
+  """variant: a dataset, a fine-tuning method, or both, comma-separated ("docci", "lora", "docci,dora")."""
+  parts = [p for p in variant.split(",") if p]
+  dataset = next((p for p in parts if p in TRAIN_PAIRS), "synthetic")
+  method = next((p for p in parts if p in METHODS), "full")
+  unknown = [p for p in parts if p not in TRAIN_PAIRS and p not in METHODS]
+  if unknown:
+    raise ValueError(f"configs/longclip_l.py: unknown variant {unknown[0]!r}; datasets: {sorted(TRAIN_PAIRS)}, "
+                     f"methods: {list(METHODS)} (e.g. ':docci,lora')")
   c = base_config()
   c.model = model_config("vit_l14", text_context=248)
   c.data.name = dataset
@@ -37,4 +50,7 @@ def get_config(dataset: str = "synthetic"):
   c.checkpoint_every = max(1, c.total_steps // 10)
   c.eval_every = max(1, c.total_steps // 10)
   c.eval_batch_size = 256
+  if method != "full":  # the paper's parameter-efficient runs: rank 16, backbone frozen, lr 5e-5
+    c.finetune.method, c.finetune.rank, c.finetune.alpha = method, 16, 16.0
+    c.optimizer.lr = 5e-5
   return c

@@ -10,6 +10,10 @@ Restoring tells three cases apart (`restore_latest_intact`):
 Each step directory holds `state` (params, optimizer state, step, counters) and
 `meta` (JSON: model config, run config, mesh, code version, and a fingerprint of
 the state: per-leaf sum|x| and sum x², compared on restore).
+
+Frozen parameters (LoRA / DoRA's base weights, config.finetune.freeze) never change, so a run with a `frozen`
+predicate stores them once, in FROZEN_DIR beside the step directories, and each step's `state` holds only the
+trained parameters; its meta references the frozen store by path and fingerprint, checked on every restore.
 """
 from __future__ import annotations
 
@@ -111,11 +115,44 @@ def _same(saved, got, rtol=1e-4) -> bool:
   return saved.shape == got.shape and bool(np.all(np.abs(saved - got) <= rtol * np.abs(saved) + 1e-6))
 
 
+FROZEN_DIR = "frozen_params"  # beside the step directories: <checkpoints>_frozen_params
+
+
+def _path(k) -> str:
+  return "/".join(_key_name(x) for x in k)
+
+
+def prune(tree, keep) -> dict:
+  """The nested dict `tree` with only the leaves whose "/"-path `keep(path)` accepts (empty dicts dropped)."""
+  def go(node, prefix):
+    if not isinstance(node, dict):
+      return node if keep(prefix) else None
+    out = {}
+    for k, v in node.items():
+      sub = go(v, f"{prefix}/{k}" if prefix else str(k))
+      if sub is not None and not (isinstance(sub, dict) and not sub):
+        out[k] = sub
+    return out
+  return go(tree, "")
+
+
+def graft(a: dict, b: dict) -> dict:
+  """The union of two nested dicts with disjoint leaves."""
+  out = dict(a)
+  for k, v in b.items():
+    out[k] = graft(out[k], v) if k in out and isinstance(v, dict) else v
+  return out
+
+
 class Checkpointer:
 
   def __init__(self, directory: str, max_to_keep: int = 3, async_save: bool = True, create: bool = True,
-               retries: int = 3, retry_wait_s: float = 1.0):
+               retries: int = 3, retry_wait_s: float = 1.0, frozen=None):
+    """frozen: parameter path -> True for parameters stored once in the frozen store, not in every step."""
     self.directory = os.path.abspath(os.path.expanduser(directory))
+    self.frozen_dir = self.directory.rstrip("/") + "_" + FROZEN_DIR
+    self.frozen = frozen
+    self._frozen_fingerprint = None
     self.retries, self.retry_wait_s = retries, retry_wait_s
     self._mgr = ocp.CheckpointManager(
         self.directory,
@@ -128,8 +165,46 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._mgr.all_steps())
 
+  # ---- the frozen store ----
+  def _split(self, state):
+    """state -> (what a step directory holds, the frozen parameters)."""
+    if self.frozen is None:
+      return state, None
+    return ({**state, "params": prune(state["params"], lambda p: not self.frozen(p))},
+            prune(state["params"], self.frozen))
+
+  def save_frozen(self, params) -> None:
+    """Writes the frozen parameters once (atomically; replaces an earlier store). Called at a run's first start."""
+    frozen = prune(params, self.frozen)
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(self.frozen_dir, frozen, force=True)
+    self._frozen_fingerprint = fingerprint({"params": frozen})["params"]
+
+  def _restore_frozen(self, abstract_frozen, meta, where: str):
+    ref = meta.get("frozen_params")
+    if ref is None:
+      raise IncompatibleCheckpoint(where, ["it stores every parameter, but this run keeps its frozen parameters "
+                                           "apart (another config.finetune setting)"], meta)
+    if not os.path.isdir(self.frozen_dir):
+      raise FileNotFoundError(f"{where} references the frozen parameters in {self.frozen_dir}, which is missing; "
+                              "restore that directory (it is written once, at the run's first start)")
+    with ocp.StandardCheckpointer() as ckptr:
+      frozen = ckptr.restore(self.frozen_dir, abstract_frozen)
+    got = fingerprint({"params": frozen})["params"]
+    if not _same(ref["fingerprint"], got):
+      raise ValueError(f"{self.frozen_dir} does not hold the frozen parameters {where} was trained on (fingerprint "
+                       "differs): it was replaced or damaged")
+    self._frozen_fingerprint = ref["fingerprint"]
+    return frozen
+
   def save(self, step: int, state, meta: dict, force: bool = False) -> bool:
     """Starts an (async) save of `state`; raises CheckpointError naming the step if writing fails."""
+    state, frozen = self._split(state)
+    if frozen is not None:
+      if self._frozen_fingerprint is None:
+        raise CheckpointError(f"{self.directory}: the frozen parameters were neither written (save_frozen) nor "
+                              "restored before the first save")
+      meta = {**meta, "frozen_params": {"path": self.frozen_dir, "fingerprint": self._frozen_fingerprint}}
     meta = {**meta, "fingerprint": fingerprint(state)}
     try:
       faults.maybe_fail("save_fails", step)
@@ -152,8 +227,12 @@ class Checkpointer:
     """
     meta = self.read_meta(step)
     faults.maybe_fail_read("restore_io", step)
-    state = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+    slim, abstract_frozen = self._split(abstract_state)
+    state = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(slim)))["state"]
     self._verify(step, meta, state)
+    if abstract_frozen is not None:
+      state = {**state, "params": graft(state["params"],
+                                        self._restore_frozen(abstract_frozen, meta, f"{self.directory}/{step}"))}
     return state
 
   def saved_structure(self, step: int):
@@ -202,7 +281,7 @@ class Checkpointer:
         continue
       if check_meta is not None:
         check_meta(meta, where)
-      differences = structure_differences(saved, abstract_state)
+      differences = structure_differences(saved, self._split(abstract_state)[0])
       if differences:
         raise IncompatibleCheckpoint(where, differences, meta)
       try:
@@ -233,13 +312,23 @@ class Checkpointer:
     self._mgr.reload()
 
   def restore_params(self, step: int, abstract_params):
-    """Only the model parameters of a checkpoint (for eval and fine-tuning starts), verified."""
+    """Only the model parameters of a checkpoint (for eval and fine-tuning starts), verified; the frozen ones from
+    the frozen store when the checkpoint references one."""
+    meta = self.read_meta(step)
+    saved = set(_shapes(self.saved_structure(step)))
+    trained, frozen = abstract_params, None
+    if meta.get("frozen_params") is not None:
+      trained = prune(abstract_params, lambda p: f"params/{p}" in saved)
+      frozen = prune(abstract_params, lambda p: f"params/{p}" not in saved)
     restored = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item={"params": abstract_params},
-        restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), {"params": abstract_params}),
+        item={"params": trained},
+        restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), {"params": trained}),
         partial_restore=True)))
-    self._verify(step, self.read_meta(step), restored["state"], keys=("params",))
-    return restored["state"]["params"]
+    self._verify(step, meta, restored["state"], keys=("params",))
+    params = restored["state"]["params"]
+    if frozen is not None:
+      params = graft(params, self._restore_frozen(frozen, meta, f"{self.directory}/{step}"))
+    return params
 
   def _verify(self, step, meta, state, keys=None):
     saved = meta.get("fingerprint")

@@ -314,7 +314,7 @@ def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings, froze
   no weight gradient for them (LoRA's saving) and grad_norm is that of the trained parameters."""
   objective = Objective.from_config(config.loss)
   grad_fn = make_grad_fn(graphdef, mesh, objective, config.grad_accum_steps, config.loss.negatives)
-  clamp = config.optimizer.train_logit_scale
+  clamp = config.optimizer.train_logit_scale and not (frozen is not None and frozen(SCALE_PARAM))
 
   def step(state, batch):
     params = state["params"]
@@ -374,6 +374,7 @@ class Program:
   shardings: dict  # NamedShardings of the train state
   step: object  # jitted step(state, batch) -> (state, metrics), state donated
   objective: Objective
+  frozen: object = None  # parameter path -> True for parameters that never change (stored once by checkpoints)
 
   def target(self):
     """The state as ShapeDtypeStructs carrying their shardings (restore / ahead-of-time compile target)."""
@@ -398,7 +399,7 @@ def build_program(config, model_cfg, mesh, rules) -> Program:
   shardings = sharding.state_shardings(abstract_state, "params", mesh, rules)
   frozen = frozen_predicate(config.optimizer, freeze) if freeze else None
   step = make_train_step(graphdef, tx, mesh, config, schedule, shardings, frozen=frozen)
-  return Program(graphdef, tx, schedule, abstract_state, shardings, step, Objective.from_config(config.loss))
+  return Program(graphdef, tx, schedule, abstract_state, shardings, step, Objective.from_config(config.loss), frozen)
 
 
 def abstract_batch(config, model_cfg, mesh) -> dict:

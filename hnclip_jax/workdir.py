@@ -165,13 +165,13 @@ class Workdir:
     return sorted(int(d) for d in os.listdir(self.checkpoints)
                   if d.isdigit() and os.path.isdir(os.path.join(self.checkpoints, d)))
 
-  def checkpointer(self, *, max_to_keep: int = 3, async_save: bool = True, read_only: bool = False):
+  def checkpointer(self, *, max_to_keep: int = 3, async_save: bool = True, read_only: bool = False, frozen=None):
     from hnclip_jax import checkpoint
     if read_only and not os.path.isdir(self.checkpoints):
       raise FileNotFoundError(f"no checkpoints in {self.checkpoints}; train first with "
                               f"train.py --workdir {self.path}")
     return checkpoint.Checkpointer(self.checkpoints, max_to_keep=max_to_keep, async_save=async_save,
-                                   create=not read_only)
+                                   create=not read_only, frozen=frozen)
 
   # ---- eval results ----
   def record_eval(self, result: dict, details: dict | None = None) -> None:

@@ -34,6 +34,7 @@ def max_rel(a, b):
 
 
 graphdef, params = init_params(CFG, 0)
+GRAPHDEF, PARAMS = graphdef, params
 rng = np.random.default_rng(0)
 B = 16
 # Captions of unequal length (start 2, words, end 3, then padding 0), so the token term's masks matter.
@@ -43,7 +44,8 @@ tokens[:, 0], tokens[np.arange(B), lengths - 1] = 2, 3
 batch = {"image": rng.normal(size=(B, 16, 16, 3)).astype(np.float32), "tokens": tokens.astype(np.int32)}
 
 
-def grads_on(shape, accum=1, negatives="global_batch", chunk=0, gamma=0.5, token_weight=0.0):
+def grads_on(shape, accum=1, negatives="global_batch", chunk=0, gamma=0.5, token_weight=0.0, model=None):
+  graphdef, params = model or (GRAPHDEF, PARAMS)
   mesh = mesh_of(shape)
   abstract = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)}
   psh = sharding.state_shardings(abstract, "params", mesh, RULES)["params"]
@@ -77,6 +79,31 @@ for shape in LAYOUTS:
 for name, kw in (("accum x2 (2, 2, 2)", dict(shape=(2, 2, 2), accum=2)), ("chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1))):
   loss, grads, _ = grads_on(token_weight=1.0, **kw)
   out["token_layouts"][name] = {"loss_rel": abs(loss - tok_loss) / tok_loss, "grad_rel": max_rel(grads, tok_grads)}
+
+# LoRA / DoRA adapters (random, so every adapter leaf has a gradient): every layout, the token term and
+# accumulation equal one device, and the adapter leaves are split like the kernels they adapt.
+import dataclasses  # noqa: E402
+from hnclip_jax.models import abstract_model, adapters  # noqa: E402
+out["adapters"] = {}
+for method in ("lora", "dora"):
+  acfg = dataclasses.replace(CFG, adapter=method, adapter_rank=4, adapter_alpha=8.0)
+  aparams = adapters.add_adapters(params, acfg, 0)
+  key = jax.random.key(5)
+  aparams = jax.tree_util.tree_map_with_path(
+      lambda p, x: x + 0.2 * jax.random.normal(jax.random.fold_in(key, len(adapters.path_of(p))), x.shape)
+      if adapters.is_adapter(adapters.path_of(p)) else x, aparams)
+  amodel = (abstract_model(acfg)[0], aparams)
+  a_loss, a_grads, _ = grads_on((1, 1, 1), token_weight=1.0, model=amodel)
+  for shape, kw in [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2})]:
+    loss, grads, psh = grads_on(shape, token_weight=1.0, model=amodel, **kw)
+    out["adapters"][f"{method} {shape}{' accum x2' if kw else ''}"] = {
+        "loss_rel": abs(loss - a_loss) / a_loss, "grad_rel": max_rel(grads, a_grads)}
+    if shape == (2, 2, 2) and not kw:
+      q = psh["text"]["blocks"][0]["attn"]["q"]
+      fc2 = psh["text"]["blocks"][0]["fc2"]
+      out["adapters"][f"{method} specs"] = {"q_lora_a": str(q["lora"]["lora_a"].spec),
+                                             "q_lora_b": str(q["lora"]["lora_b"].spec),
+                                             "fc2_lora_a": str(fc2["lora"]["lora_a"].spec)}
 
 # Optimizer state follows the parameters.
 mesh = mesh_of((2, 2, 2))

@@ -517,6 +517,14 @@ def test_longclip_config_is_the_papers_recipe():
   assert c.optimizer.lr == 2e-6 and c.batch_size == 128 and c.loss.gamma == 0.5 and c.data.image_size == 224
   # Micro-batch 16 × 8 accumulation = 128; 10 epochs over DOCCI's 9,450 training pairs (PAPER.md) = 738 steps.
   assert (c.batch_size, c.grad_accum_steps, c.total_steps) == (128, 8, 738)
+  assert c.finetune.method == "full"
+  for variant, method in (("lora", "lora"), ("docci,dora", "dora")):
+    v = mod.get_config(variant)
+    config_lib.validate(v)
+    assert (v.finetune.method, v.finetune.rank, v.optimizer.lr) == (method, 16, 5e-5)
+    assert v.data.name == ("docci" if "docci" in variant else "synthetic")
+  with pytest.raises(ValueError, match="unknown variant 'lroa'"):
+    mod.get_config("docci,lroa")
 
 
 def test_coco_flickr_recipe_loads_as_train_py_reads_it(tmp_path):

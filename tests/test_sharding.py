@@ -40,6 +40,19 @@ def test_parameters_follow_the_logical_rules(checks):
   assert checks["opt_mu_q_kernel"] == "P('fsdp', 'tensor')" and checks["opt_count"] == "P()"
 
 
+def test_adapters_every_layout_matches_one_device(checks):
+  """LoRA and DoRA with the token term on the five layouts and with accumulation: loss and every gradient
+  (adapters and base) equal one device's; adapter matrices split like the kernels they adapt."""
+  a = checks["adapters"]
+  runs = {k: v for k, v in a.items() if "specs" not in k}
+  assert len(runs) == 12
+  for name, r in runs.items():
+    assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (name, r)
+  for method in ("lora", "dora"):
+    assert a[f"{method} specs"] == {"q_lora_a": "P('fsdp', None)", "q_lora_b": "P(None, 'tensor')",
+                                    "fc2_lora_a": "P('tensor', None)"}
+
+
 def test_gradient_accumulation(checks):
   assert len(checks["accum"]) == 3
   for name, r in checks["accum"].items():  # global-batch negatives: identical to no accumulation

@@ -1,0 +1,93 @@
+"""Full fine-tuning vs LoRA vs DoRA (config.finetune.method): parameters trained, optimizer-state and train-state
+bytes at the tiny size and at ViT-L/14 (Long-CLIP-L, 248 tokens; shapes only, from jax.eval_shape of the real
+train program), and the tiny model's train-step time, measured side by side (alternating order).
+
+  python benchmarks/adapters.py [--reps 7] [--json out.json]
+"""
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # tcmalloc when installed, like the other step-time benchmarks (hnclip_jax/hostmem.py)
+  from hnclip_jax import hostmem
+  hostmem.use_tcmalloc(default="auto")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import alternating_times, dump, random_batch, table  # noqa: E402
+
+
+def program_for(cfg, method: str, batch: int):
+  from hnclip_jax import config as config_lib, sharding, train_step
+  config = config_lib.base_config()
+  config.finetune.method, config.finetune.rank, config.finetune.alpha = method, 16, 16.0
+  config.batch_size, config.total_steps = batch, 1000
+  config.optimizer.warmup_steps = 1
+  model_cfg = dataclasses.replace(cfg, **config_lib.adapter_fields(config)).validate()
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+  return train_step.build_program(config, model_cfg, mesh, sharding.parse_rules(config.mesh.rules)), model_cfg, mesh
+
+
+def nbytes(tree) -> int:
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def sizes(cfg, method, batch):
+  from hnclip_jax import train_step
+  program, model_cfg, mesh = program_for(cfg, method, batch)
+  st = program.abstract_state
+  trained = sum(int(np.prod(x.shape)) for x in train_step.trained_params(st["opt_state"]))
+  return program, model_cfg, mesh, {
+      "method": method, "params (M)": nbytes(st["params"]) / 4e6, "trained (M)": trained / 1e6,
+      "optimizer state (MB)": nbytes(st["opt_state"]) / 1e6, "train state (MB)": nbytes(st) / 1e6}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--reps", type=int, default=7)
+  ap.add_argument("--batch", type=int, default=32)
+  ap.add_argument("--json", default="")
+  args = ap.parse_args()
+  from hnclip_jax.config import model_config
+  from hnclip_jax.models import CLIPConfig, init_params
+  from hnclip_jax.models.adapters import add_adapters
+  from hnclip_jax import train_step
+  tiny = CLIPConfig(**{**dict(model_config("tiny")), "vocab_size": 1024, "eot_token_id": 1023}).validate()
+  vit_l = CLIPConfig(**dict(model_config("vit_l14", text_context=248))).validate()
+  results = {"vit_l14": [sizes(vit_l, m, 128)[3] for m in ("full", "lora", "dora")]}
+  rows, steps = [], {}
+  _, base = init_params(tiny, 0)
+  for m in ("full", "lora", "dora"):
+    program, model_cfg, mesh, row = sizes(tiny, m, args.batch)
+    params = base if m == "full" else add_adapters(base, model_cfg, 0)
+    state = jax.device_put(train_step.init_state(params, program.tx), program.shardings)
+    batch = random_batch(model_cfg, args.batch, mesh)
+    holder = {"state": state}
+
+    def run(program=program, holder=holder, batch=batch):
+      holder["state"], metrics = program.step(holder["state"], batch)
+      jax.block_until_ready(metrics["loss"])
+
+    run()  # compile
+    steps[m] = run
+    rows.append(row)
+  times = alternating_times(steps, reps=args.reps, inner=3, warmup=1)
+  for row in rows:
+    t = float(np.median(times[row["method"]]))
+    row["step (ms)"] = 1e3 * t
+    row["vs full"] = t / float(np.median(times["full"]))
+  results["tiny"] = rows
+  cols = ["method", "params (M)", "trained (M)", "optimizer state (MB)", "train state (MB)"]
+  print(f"ViT-L/14 (248 tokens), rank 16 on q/k/v/out/fc1/fc2 of both towers (shapes only):\n"
+        f"{table(results['vit_l14'], cols)}\n")
+  print(f"tiny ({tiny.vision_layers}+{tiny.text_layers} blocks, width {tiny.vision_width}), batch {args.batch}, "
+        f"{jax.devices()[0].platform}, median of {args.reps} alternating repetitions:\n"
+        f"{table(rows, cols + ['step (ms)', 'vs full'])}")
+  dump(args.json, results)
+
+
+if __name__ == "__main__":
+  main()
