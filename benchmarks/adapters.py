@@ -1,6 +1,7 @@
-"""Full fine-tuning vs LoRA vs DoRA (config.finetune.method): parameters trained, optimizer-state and train-state
-bytes at the tiny size and at ViT-L/14 (Long-CLIP-L, 248 tokens; shapes only, from jax.eval_shape of the real
-train program), and the tiny model's train-step time, measured side by side (alternating order).
+"""Full fine-tuning vs LoRA vs DoRA (config.finetune.method): parameters trained, optimizer-state bytes and what
+a step checkpoint holds, at ViT-L/14 (Long-CLIP-L, 248 tokens; shapes only, from jax.eval_shape of the real train
+program) and at the tiny size (plus a real Orbax checkpoint's bytes on disk), and the tiny model's train-step time,
+measured side by side (alternating order).
 
   python benchmarks/adapters.py [--reps 7] [--json out.json]
 """
@@ -36,13 +37,21 @@ def nbytes(tree) -> int:
 
 
 def sizes(cfg, method, batch):
-  from hnclip_jax import train_step
+  from hnclip_jax import checkpoint, train_step
   program, model_cfg, mesh = program_for(cfg, method, batch)
   st = program.abstract_state
   trained = sum(int(np.prod(x.shape)) for x in train_step.trained_params(st["opt_state"]))
+  step_arrays = st if program.frozen is None else {
+      **st, "params": checkpoint.prune(st["params"], lambda p: not program.frozen(p))}
+  frozen = 0 if program.frozen is None else nbytes(checkpoint.prune(st["params"], program.frozen))
   return program, model_cfg, mesh, {
       "method": method, "params (M)": nbytes(st["params"]) / 4e6, "trained (M)": trained / 1e6,
-      "optimizer state (MB)": nbytes(st["opt_state"]) / 1e6, "train state (MB)": nbytes(st) / 1e6}
+      "optimizer state (MB)": nbytes(st["opt_state"]) / 1e6, "step checkpoint arrays (MB)": nbytes(step_arrays) / 1e6,
+      "frozen store, once (MB)": frozen / 1e6}
+
+
+def du(path) -> int:
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
 def main():
@@ -54,7 +63,8 @@ def main():
   from hnclip_jax.config import model_config
   from hnclip_jax.models import CLIPConfig, init_params
   from hnclip_jax.models.adapters import add_adapters
-  from hnclip_jax import train_step
+  import tempfile
+  from hnclip_jax import checkpoint, train_step
   tiny = CLIPConfig(**{**dict(model_config("tiny")), "vocab_size": 1024, "eot_token_id": 1023}).validate()
   vit_l = CLIPConfig(**dict(model_config("vit_l14", text_context=248))).validate()
   results = {"vit_l14": [sizes(vit_l, m, 128)[3] for m in ("full", "lora", "dora")]}
@@ -73,6 +83,13 @@ def main():
 
     run()  # compile
     steps[m] = run
+    with tempfile.TemporaryDirectory() as tmp:  # real Orbax checkpoints of this state: bytes on disk
+      ck = checkpoint.Checkpointer(os.path.join(tmp, "checkpoints"), async_save=False, frozen=program.frozen)
+      if program.frozen is not None:
+        ck.save_frozen(holder["state"]["params"])
+      ck.save(1, holder["state"], {"model": {}}, force=True)
+      ck.close()
+      row["step checkpoint on disk (MB)"] = du(os.path.join(tmp, "checkpoints", "1")) / 1e6
     rows.append(row)
   times = alternating_times(steps, reps=args.reps, inner=3, warmup=1)
   for row in rows:
@@ -80,12 +97,13 @@ def main():
     row["step (ms)"] = 1e3 * t
     row["vs full"] = t / float(np.median(times["full"]))
   results["tiny"] = rows
-  cols = ["method", "params (M)", "trained (M)", "optimizer state (MB)", "train state (MB)"]
+  cols = ["method", "params (M)", "trained (M)", "optimizer state (MB)", "step checkpoint arrays (MB)",
+          "frozen store, once (MB)"]
   print(f"ViT-L/14 (248 tokens), rank 16 on q/k/v/out/fc1/fc2 of both towers (shapes only):\n"
         f"{table(results['vit_l14'], cols)}\n")
   print(f"tiny ({tiny.vision_layers}+{tiny.text_layers} blocks, width {tiny.vision_width}), batch {args.batch}, "
         f"{jax.devices()[0].platform}, median of {args.reps} alternating repetitions:\n"
-        f"{table(rows, cols + ['step (ms)', 'vs full'])}")
+        f"{table(rows, cols + ['step checkpoint on disk (MB)', 'step (ms)', 'vs full'])}")
   dump(args.json, results)
 
 

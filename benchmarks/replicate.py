@@ -31,6 +31,12 @@ def run(args, log):
     raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}; see {log}")
 
 
+def finished(workdir, steps) -> bool:
+  """The run reached `steps` before (a rerun of replicate.py on the same --out skips it)."""
+  return os.path.exists(os.path.join(workdir, "metrics.jsonl")) and bool(rows(workdir)) and \
+      rows(workdir)[-1]["step"] >= steps
+
+
 def rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
@@ -61,6 +67,9 @@ def main():
   p.add_argument("--data_dir", default="")
   p.add_argument("--token_weights", default="",
                  help="comma-separated λ > 0: also fine-tune with the token term (γ 0 and 0.5, every seed)")
+  p.add_argument("--methods", default="",
+                 help="comma-separated lora,dora: also fine-tune with adapters (rank 16, the full runs' lr x 25 as "
+                      "in the paper: 2e-6 -> 5e-5), γ 0 and 0.5, every seed")
   a = p.parse_args()
   out = os.path.abspath(a.out)
   os.makedirs(out, exist_ok=True)
@@ -78,6 +87,9 @@ def main():
   token_weights = [float(x) for x in a.token_weights.split(",") if x]
   tok_runs = {(lam, g, s): os.path.join(out, f"ft_tok{lam}_gamma{g}_seed{s}")
               for lam in token_weights for g in (0.0, 0.5) for s in seeds}
+  methods = [m for m in a.methods.split(",") if m]
+  peft_runs = {(m, g, s): os.path.join(out, f"ft_{m}_gamma{g}_seed{s}") for m in methods for g in (0.0, 0.5)
+               for s in seeds}
   small = os.path.join(out, "ft_gamma0.5_20pct")
   if not a.report_only:
     if not os.path.exists(os.path.join(pre, workdir.MODEL_JSON)) or not rows(pre)[-1:] or \
@@ -85,12 +97,23 @@ def main():
       run([*common, "--workdir", pre, "--config.loss.gamma=0", f"--config.total_steps={pre_steps}"],
           os.path.join(out, "pretrain.log"))
     for (g, s), w in runs.items():
+      if finished(w, ft_steps):
+        continue
       run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}"], w + ".log")
     for (lam, g, s), w in tok_runs.items():
+      if finished(w, ft_steps):
+        continue
       run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
            f"--config.loss.token_weight={lam}"], w + ".log")
-    run([*common, *ft_args, "--workdir", small, "--config.loss.gamma=0.5", "--config.seed=0",
-         f"--config.data.num_train={num_train // 5}"], small + ".log")
+    for (m, g, s), w in peft_runs.items():
+      if finished(w, ft_steps):
+        continue
+      run([*common, *ft_args, "--config.optimizer.lr=5e-3", "--workdir", w, f"--config.loss.gamma={g}",
+           f"--config.seed={s}", f"--config.finetune.method={m}", "--config.finetune.rank=16",
+           "--config.finetune.alpha=16"], w + ".log")
+    if not finished(small, ft_steps):
+      run([*common, *ft_args, "--workdir", small, "--config.loss.gamma=0.5", "--config.seed=0",
+           f"--config.data.num_train={num_train // 5}"], small + ".log")
 
   steps_per_epoch = max(1, num_train // batch)
   results = {"pretrain": final_recall(pre), "by_gamma": {}, "saturation": {}, "setup": {
@@ -105,6 +128,12 @@ def main():
     for g in (0.0, 0.5):
       recs = [final_recall(tok_runs[(lam, g, s)]) for s in seeds]
       results["token_term"][f"lambda{lam}_gamma{g}"] = {
+          k: [float(np.mean([r[k] for r in recs])), float(np.std([r[k] for r in recs]))] for k in recs[0]}
+  results["adapters"] = {}
+  for m in methods:
+    for g in (0.0, 0.5):
+      recs = [final_recall(peft_runs[(m, g, s)]) for s in seeds]
+      results["adapters"][f"{m}_gamma{g}"] = {
           k: [float(np.mean([r[k] for r in recs])), float(np.std([r[k] for r in recs]))] for k in recs[0]}
   for g in (0.0, 0.5):
     if (g, seeds[0]) not in runs:
@@ -152,6 +181,10 @@ def main():
     lam, g = name.removeprefix("lambda").split("_gamma")
     lines.append(f"| {g}, token term λ={lam} | " + " | ".join(f"{r[f'{d}/R@{k}'][0]:.2f} ± {r[f'{d}/R@{k}'][1]:.2f}"
                                                               for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
+  for name, r in results["adapters"].items():
+    m, g = name.split("_gamma")
+    lines.append(f"| {g}, {m.upper()} rank 16 | " + " | ".join(f"{r[f'{d}/R@{k}'][0]:.2f} ± {r[f'{d}/R@{k}'][1]:.2f}"
+                                                          for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
   de = results["data_efficiency"]["gamma0.5_20pct"]
   lines.append("| 0.5, 20% data, seed 0 | " + " | ".join(f"{de[f'{d}/R@{k}']:.2f}" for d in ("t2i", "i2t")
                                                        for k in (1, 5, 10)) + " |")
