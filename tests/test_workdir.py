@@ -108,6 +108,40 @@ def test_a_damaged_checkpoint_is_set_aside_after_the_fallback_restores(saved):
   assert [d.split("-")[0] for d in os.listdir(root / "checkpoints_damaged")] == ["2"]
 
 
+def test_frozen_parameters_are_stored_once_and_checked(tmp_path):
+  """With a `frozen` predicate a step holds the trained arrays only; restoring grafts the frozen store back, and a
+  replaced or missing store, or a checkpoint that holds everything, is named."""
+  frozen = lambda p: p == "w"  # noqa: E731
+  ck = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), async_save=False, frozen=frozen)
+  state = _state(CLIPPED)
+  with pytest.raises(checkpoint.CheckpointError, match="neither written"):
+    ck.save(1, state, {}, force=True)
+  ck.save_frozen(state["params"])
+  ck.save(1, state, {}, force=True)
+  ck.wait()
+  saved = ck.saved_structure(1)["params"]
+  assert set(saved) == {"b"}
+  step, got, _ = ck.restore_latest_intact(_abstract(state))
+  np.testing.assert_array_equal(got["params"]["w"], state["params"]["w"])
+  np.testing.assert_array_equal(got["params"]["b"], state["params"]["b"])
+  reader = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), create=False)  # as eval.py / pretrained.load
+  np.testing.assert_array_equal(reader.restore_params(1, _abstract(state)["params"])["w"], state["params"]["w"])
+  other = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), async_save=False, frozen=frozen)
+  other.save_frozen({"w": state["params"]["w"] + 1, "b": state["params"]["b"]})  # the store replaced
+  with pytest.raises(ValueError, match="does not hold the frozen parameters"):
+    ck.restore(1, _abstract(state))
+  import shutil
+  shutil.rmtree(ck.frozen_dir)
+  with pytest.raises(FileNotFoundError, match="checkpoints_frozen_params, which is missing"):
+    ck.restore(1, _abstract(state))
+  everything = checkpoint.Checkpointer(str(tmp_path / "all"), async_save=False)
+  everything.save(1, state, {}, force=True)
+  everything.wait()
+  with pytest.raises(checkpoint.IncompatibleCheckpoint):
+    checkpoint.Checkpointer(str(tmp_path / "all"), async_save=False, frozen=frozen).restore_latest_intact(
+        _abstract(state))
+
+
 def test_config_changes_name_what_matters():
   old = json.loads(base_config().to_json())
   new = base_config()
