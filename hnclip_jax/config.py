@@ -12,13 +12,16 @@ from hnclip_jax.models.clip import PRESETS
 # How to compute, not what to compute: set at the top level (config.dtype, config.remat, config.attention), not
 # stored with a checkpoint's model, and free to change between runs of the same workdir.
 RUNTIME_FIELDS = ("dtype", "remat", "attention")
+# CLIPConfig fields set from config.finetune (not config.model); the dropout rate is a run setting, not architecture.
+ADAPTER_FIELDS = ("adapter", "adapter_rank", "adapter_alpha", "adapter_targets", "adapter_dropout")
+MODEL_RUNTIME_FIELDS = RUNTIME_FIELDS + ("adapter_dropout",)  # not in model.json, not compared on resume
 
 
 def model_config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
   """A named architecture as a ConfigDict (fields of `CLIPConfig`); `vocab_size=0`/`eot_token_id=-1` mean: from the tokenizer."""
   if preset not in PRESETS:
     raise ValueError(f"unknown model preset {preset!r}; known: {sorted(PRESETS)}")
-  d = {k: v for k, v in dataclasses.asdict(PRESETS[preset]).items() if k not in RUNTIME_FIELDS}
+  d = {k: v for k, v in dataclasses.asdict(PRESETS[preset]).items() if k not in RUNTIME_FIELDS + ADAPTER_FIELDS}
   unknown = set(overrides) - set(d)
   if unknown:
     raise ValueError(f"unknown model field(s) {sorted(unknown)}; known: {sorted(d)}")
@@ -78,7 +81,7 @@ def base_config() -> ml_collections.ConfigDict:
   # tower, LiT-style).
   # finetune.method: "full" (every parameter), "lora" or "dora" (adapters of rank `rank`, update scale alpha / rank,
   # on the dense layers whose module path matches one of `targets`, e.g. "attn/(q|v)$" or "^text/.*fc1$"; everything
-  # else frozen). LoRA dropout is not implemented: `dropout` must be 0.
+  # else frozen). dropout: on the adapter branch's input in training (a key per step from config.seed; none in eval).
   c.finetune = ml_collections.ConfigDict({"method": "full", "rank": 16, "alpha": 16.0, "dropout": 0.0,
                                           "targets": (r"attn/(q|k|v|out)$", r"fc1$", r"fc2$"), "freeze": ()})
   c.model = model_config("tiny", vocab_size=0, eot_token_id=-1)
@@ -124,8 +127,8 @@ def adapter_fields(config) -> dict:
   ft = config.finetune
   if ft.method not in FINETUNE_METHODS:
     raise ValueError(f"config.finetune.method={ft.method!r}; choose one of {sorted(FINETUNE_METHODS)}")
-  if ft.dropout:
-    raise ValueError(f"config.finetune.dropout={ft.dropout!r}: LoRA dropout is not implemented; set it to 0")
+  if not 0 <= float(ft.dropout) < 1:
+    raise ValueError(f"config.finetune.dropout={ft.dropout!r} must be in [0, 1)")
   targets = [ft.targets] if isinstance(ft.targets, str) else list(ft.targets)
   if ft.method != "full" and not targets:
     raise ValueError("config.finetune.targets is empty: name the layers to adapt, e.g. ('attn/(q|v)$',)")
@@ -134,7 +137,7 @@ def adapter_fields(config) -> dict:
   if ft.method == "full":
     return {"adapter": "none"}
   return {"adapter": FINETUNE_METHODS[ft.method], "adapter_rank": int(ft.rank), "adapter_alpha": float(ft.alpha),
-          "adapter_targets": "|".join(f"(?:{t})" for t in targets)}
+          "adapter_targets": "|".join(f"(?:{t})" for t in targets), "adapter_dropout": float(ft.dropout)}
 
 
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

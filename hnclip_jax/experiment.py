@@ -47,8 +47,10 @@ def maybe_initialize_distributed() -> None:
 
 
 def runtime(cfg: CLIPConfig, config) -> CLIPConfig:
-  """`cfg` with this run's compute settings (config.dtype, config.remat, config.attention)."""
-  cfg = dataclasses.replace(cfg, **{k: config[k] for k in RUNTIME_FIELDS}).validate()
+  """`cfg` with this run's compute settings (config.dtype, config.remat, config.attention) and adapter dropout
+  (config.finetune.dropout)."""
+  dropout = float(config.finetune.dropout) if cfg.adapter != "none" else 0.0
+  cfg = dataclasses.replace(cfg, adapter_dropout=dropout, **{k: config[k] for k in RUNTIME_FIELDS}).validate()
   if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
     raise ValueError(f"config.attention='cudnn' needs an NVIDIA GPU; this run's backend is "
                      f"{jax.default_backend()}. Use config.attention='auto'")
@@ -197,7 +199,8 @@ ADAPTER_KEYS = {"adapter": "method", "adapter_rank": "rank", "adapter_alpha": "a
 
 def check_adapters(cfg: CLIPConfig, config, where: str) -> None:
   """The workdir's adapters (model.json) must be what config.finetune asks for; raises naming the differences."""
-  want = {**{k: getattr(CLIPConfig, k) for k in ADAPTER_KEYS}, **adapter_fields(config)}
+  want = {k: v for k, v in {**{k: getattr(CLIPConfig, k) for k in ADAPTER_KEYS}, **adapter_fields(config)}.items()
+          if k in ADAPTER_KEYS}
   have = {k: getattr(cfg, k) for k in ADAPTER_KEYS}
   if have["adapter"] == want["adapter"] == "none":
     return

@@ -76,9 +76,9 @@ class Objective:
       return {}
     return {"token_layer": self.token_layer, "image_cls_token": self.token_image_cls}
 
-  def forward(self, model, images, tokens) -> dict:
-    """The model's outputs dict for a batch (images [B, H, W, 3], tokens [B, L])."""
-    return model(images, tokens, **self.model_kwargs)
+  def forward(self, model, images, tokens, rng=None) -> dict:
+    """The model's outputs dict for a batch (images [B, H, W, 3], tokens [B, L]); rng: adapter dropout key."""
+    return model(images, tokens, dropout_rng=rng, **self.model_kwargs)
 
   def __call__(self, outputs: dict, mesh):
     """outputs: the model's outputs dict, [B, ...] leaves sharded over the batch axes of `mesh`.

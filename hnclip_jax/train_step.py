@@ -192,8 +192,13 @@ def check_accumulation(config, mesh) -> None:
 
 
 def make_forward(graphdef, objective: Objective):
-  """(params, images [b,H,W,3], tokens [b,L]) -> the model's outputs dict, with what `objective` needs."""
-  return lambda params, images, tokens: objective.forward(bind(graphdef, params), images, tokens)
+  """(params, images [b,H,W,3], tokens [b,L], rng=None) -> the model's outputs dict, with what `objective` needs;
+  rng: the adapters' dropout key (None: no dropout)."""
+  return lambda params, images, tokens, rng=None: objective.forward(bind(graphdef, params), images, tokens, rng)
+
+
+def _fold(rng, i):
+  return None if rng is None else jax.random.fold_in(rng, i)
 
 
 def _is_float(x) -> bool:
@@ -225,11 +230,12 @@ def make_outputs_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1):
   """(params, batch) -> outputs of the whole batch, computed a micro-batch at a time (no activations kept)."""
   forward = make_forward(graphdef, objective)
   if accum_steps == 1:
-    return lambda params, batch: forward(params, batch["image"], batch["tokens"])
+    return lambda params, batch, rng=None: forward(params, batch["image"], batch["tokens"], _fold(rng, 0))
   split, merge = _micro_batching(mesh, accum_steps)
 
-  def outputs(params, batch):
-    _, outs = jax.lax.scan(lambda c, mb: (c, forward(params, *mb)), None, (split(batch["image"]), split(batch["tokens"])))
+  def outputs(params, batch, rng=None):
+    _, outs = jax.lax.scan(lambda c, mb: (c, forward(params, mb[1], mb[2], _fold(rng, mb[0]))), None,
+                           (jnp.arange(accum_steps), split(batch["image"]), split(batch["tokens"])))
     return {k: v[0] if k in GLOBAL_OUTPUTS else merge(v) for k, v in outs.items()}
 
   return outputs
@@ -266,37 +272,40 @@ def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, neg
   """
   forward = make_forward(graphdef, objective)
 
-  def loss_fn(params, images, tokens):
-    loss, aux = objective(forward(params, images, tokens), mesh)
+  def loss_fn(params, images, tokens, rng=None):
+    loss, aux = objective(forward(params, images, tokens, rng), mesh)
     return loss, aux["terms"]
 
   if accum_steps == 1:
-    return lambda params, batch: jax.value_and_grad(loss_fn, has_aux=True)(params, batch["image"], batch["tokens"])
+    return lambda params, batch, rng=None: jax.value_and_grad(loss_fn, has_aux=True)(
+        params, batch["image"], batch["tokens"], _fold(rng, 0))
   if negatives not in NEGATIVES:
     raise ValueError(f"config.loss.negatives={negatives!r}; choose one of {NEGATIVES}")
   split, _ = _micro_batching(mesh, accum_steps)
 
-  def micro_batch_negatives(params, batch):
+  def micro_batch_negatives(params, batch, rng=None):
     def body(acc, mb):
-      return jax.tree.map(jnp.add, acc, jax.value_and_grad(loss_fn, has_aux=True)(params, *mb)), None
+      k, img, tok = mb
+      return jax.tree.map(jnp.add, acc, jax.value_and_grad(loss_fn, has_aux=True)(params, img, tok,
+                                                                                  _fold(rng, k))), None
 
     zeros = ((jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in objective.term_names}),
              jax.tree.map(jnp.zeros_like, params))
-    total, _ = jax.lax.scan(body, zeros, (split(batch["image"]), split(batch["tokens"])))
+    total, _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), split(batch["image"]), split(batch["tokens"])))
     return jax.tree.map(lambda x: x / accum_steps, total)
 
   outputs_fn = make_outputs_fn(graphdef, mesh, objective, accum_steps)
   loss_of_outputs = make_loss_of_outputs(mesh, objective)
 
-  def global_batch_negatives(params, batch):
-    floats, masks = partition_outputs(outputs_fn(params, batch))
+  def global_batch_negatives(params, batch, rng=None):
+    floats, masks = partition_outputs(outputs_fn(params, batch, rng))
     (loss, aux), g_out = jax.value_and_grad(loss_of_outputs, has_aux=True)(floats, masks)
     # Each micro-batch's cotangent: its rows of the per-example outputs' gradients; the scale's whole gradient
     # goes to micro-batch 0 (the scale is one parameter, computed again in every micro-batch).
     def body(acc, xs):
       k, mb_img, mb_tok, g = xs
       g = {**g, **{key: jnp.where(k == 0, g_out[key], 0.0) for key in GLOBAL_OUTPUTS if key in g_out}}
-      _, vjp = jax.vjp(lambda p: partition_outputs(forward(p, mb_img, mb_tok))[0], params)
+      _, vjp = jax.vjp(lambda p: partition_outputs(forward(p, mb_img, mb_tok, _fold(rng, k)))[0], params)
       return jax.tree.map(jnp.add, acc, vjp(g)[0]), None
 
     xs = (jnp.arange(accum_steps), split(batch["image"]), split(batch["tokens"]),
@@ -315,13 +324,18 @@ def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings, froze
   objective = Objective.from_config(config.loss)
   grad_fn = make_grad_fn(graphdef, mesh, objective, config.grad_accum_steps, config.loss.negatives)
   clamp = config.optimizer.train_logit_scale and not (frozen is not None and frozen(SCALE_PARAM))
+  # Adapter dropout: a key per step (and per micro-batch inside it), a pure function of config.seed and the step, so
+  # a resumed run draws the same masks.
+  dropout = config.finetune.method != "full" and float(config.finetune.dropout) > 0
+  base_key = jax.random.key(int(config.seed) + 7919) if dropout else None
 
   def step(state, batch):
     params = state["params"]
     if frozen is not None:
       params = jax.tree_util.tree_map_with_path(
           lambda p, x: jax.lax.stop_gradient(x) if frozen(param_path(p)) else x, params)
-    (loss, terms), grads = grad_fn(params, batch)
+    rng = jax.random.fold_in(base_key, state["step"]) if dropout else None
+    (loss, terms), grads = grad_fn(params, batch, rng)
     grad_norm = optax.tree.norm(grads)
     # A non-finite loss or gradient leaves parameters and optimizer state as they were; the host decides
     # (config.on_nonfinite) whether that ends the run or is only counted. A cond rather than a select of old vs

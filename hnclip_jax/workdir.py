@@ -23,7 +23,7 @@ import time
 
 import jax
 
-from hnclip_jax.config import RUNTIME_FIELDS, flatten
+from hnclip_jax.config import MODEL_RUNTIME_FIELDS, flatten
 from hnclip_jax.data.tokenizer import load_tokenizer
 from hnclip_jax.models import CLIPConfig
 
@@ -61,7 +61,7 @@ def read_model(directory: str) -> CLIPConfig | None:
 
 def write_model(directory: str, cfg: CLIPConfig) -> None:
   _write_json(os.path.join(directory, MODEL_JSON),
-              {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUNTIME_FIELDS})
+              {k: v for k, v in dataclasses.asdict(cfg).items() if k not in MODEL_RUNTIME_FIELDS})
 
 
 def read_tokenizer(directory: str, required: bool = True):
@@ -93,7 +93,7 @@ def check_model_compatible(saved: dict | None, model_cfg: CLIPConfig, where: str
   # A field the checkpoint predates has its default (e.g. token_projection, added after the first workdirs).
   saved = {**{f.name: f.default for f in dataclasses.fields(CLIPConfig)}, **saved}
   diffs = [f"model.{k}: checkpoint={saved.get(k)!r}, config={v!r}" for k, v in mine.items()
-           if k not in RUNTIME_FIELDS and saved.get(k) != v]
+           if k not in MODEL_RUNTIME_FIELDS and saved.get(k) != v]
   if diffs:
     raise ValueError(f"{where} was written for a different model: " + "; ".join(diffs) +
                      ". Use the config it was trained with, or a fresh --workdir "

@@ -64,6 +64,32 @@ def test_layers_match_numpy(cls):
   np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x))), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cls", [LoRALinear, DoRALinear])
+def test_adapter_dropout_matches_numpy(cls):
+  """Dropout on the adapter branch's input (training only): LoRA y = x W + b + s·drop(x) A B; DoRA as PEFT does it,
+  x W + b + (m/||V|| − 1)·drop(x) W + (m/||V||)·drop(x) ΔW. Without a key it is the plain layer."""
+  layer = cls(6, 5, scale=1.5, lora_rank=2, dropout=0.5, rngs=nnx.Rngs(0))
+  r = np.random.default_rng(1)
+  w, b, a, bb = (r.normal(size=s).astype(np.float32) for s in ((6, 5), (5,), (6, 2), (2, 5)))
+  layer.kernel[...], layer.bias[...], layer.lora.lora_a[...], layer.lora.lora_b[...] = w, b, a, bb
+  x = r.normal(size=(40, 6)).astype(np.float32)
+  key = jax.random.key(3)
+  keep = np.asarray(jax.random.bernoulli(key, 0.5, x.shape))
+  xd = np.where(keep, x / 0.5, 0).astype(np.float64)
+  x64, w64, d64 = x.astype(np.float64), w.astype(np.float64), 1.5 * a.astype(np.float64) @ bb.astype(np.float64)
+  if cls is LoRALinear:
+    plain, want = x64 @ w64 + b + x64 @ d64, x64 @ w64 + b + xd @ d64
+  else:
+    m = r.uniform(0.5, 2.0, 5).astype(np.float32)
+    layer.magnitude[...] = m
+    ratio = m / np.linalg.norm(w64 + d64, axis=0)
+    plain = x64 @ ((w64 + d64) * ratio) + b
+    want = x64 @ w64 + b + xd @ (w64 * (ratio - 1)) + xd @ (d64 * ratio)
+  assert 0.3 < keep.mean() < 0.7
+  np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x))), plain, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x), key)), want, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("method", ["lora", "dora"])
 def test_adapted_model_starts_as_the_base_model(method):
   """B = 0 and (DoRA) m = ||W||_c: folding the fresh adapters gives back the base parameters (LoRA bit for bit,
@@ -101,12 +127,14 @@ def test_merged_weights_compute_the_adapted_model(method):
     np.testing.assert_allclose(g, w, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["lora", "dora"])
-def test_only_adapters_train(method):
+@pytest.mark.parametrize("method,dropout", [("lora", 0.0), ("dora", 0.0), ("lora", 0.3)])
+def test_only_adapters_train(method, dropout):
   """Several train steps: every base parameter (and the logit scale) bit-identical, every adapter leaf trained,
-  and AdamW moments only for the adapters."""
+  and AdamW moments only for the adapters. With dropout the step is still a pure function of (state, batch):
+  the same step twice gives the same update, and it differs from the step without dropout."""
   config = config_lib.base_config()
   config.finetune.method, config.finetune.rank, config.finetune.alpha = method, 4, 8.0
+  config.finetune.dropout = dropout
   config.optimizer.update(dict(lr=0.01, warmup_steps=0))
   config.total_steps, config.batch_size = 10, 4
   cfg = dataclasses.replace(CFG, **config_lib.adapter_fields(config)).validate()
@@ -125,10 +153,19 @@ def test_only_adapters_train(method):
   n_moments = sum(x.size for x in train_step.trained_params(state["opt_state"]))
   assert n_moments == adapters.sizes(params)[0]
   assert np.isfinite(float(metrics["grad_norm"])) and float(metrics["grad_norm"]) > 0
+  if dropout:
+    snapshot = jax.device_get(state)
+    again = [program.step(jax.device_put(snapshot, program.shardings), {"image": pixels, "tokens": tokens})[1]
+             for _ in range(2)]
+    assert float(again[0]["loss"]) == float(again[1]["loss"])
+    config.finetune.dropout = 0.0
+    plain = train_step.build_program(config, cfg, mesh, sharding.parse_rules(config.mesh.rules))
+    no_drop = plain.step(jax.device_put(snapshot, program.shardings), {"image": pixels, "tokens": tokens})[1]
+    assert float(no_drop["loss"]) != float(again[0]["loss"])
 
 
 def test_adapter_workdir_load_merge_export_and_resume(tmp_path, tfds_dir):
-  """train.py with DoRA: checkpoints hold the adapters only (the frozen base is stored once and referenced); a
+  """train.py with DoRA (dropout 0.1): checkpoints hold the adapters only (the frozen base is stored once and referenced); a
   SIGKILLed run resumes bit-identically; eval (no finetune flags needed) gives the same numbers on 1 and 8 devices;
   pretrained.load(workdir) is the adapted model; merge_adapters and export give plain weights with the same
   embeddings (1e-5); resuming with another method stops naming it and changes nothing on disk."""
@@ -136,7 +173,8 @@ def test_adapter_workdir_load_merge_export_and_resume(tmp_path, tfds_dir):
   from hnclip_jax.checkpoint import Checkpointer
   w = tmp_path / "w"
   base = ["--config", "configs/demo.py:test", "--workdir", str(w), f"--config.data.data_dir={tfds_dir}"]
-  dora = ["--config.finetune.method=dora", "--config.finetune.rank=4", "--config.total_steps=4",
+  dora = ["--config.finetune.method=dora", "--config.finetune.rank=4", "--config.finetune.dropout=0.1",
+          "--config.total_steps=4",
           "--config.checkpoint_every=2", "--config.eval_every=4", "--config.log_every=1",
           "--config.async_checkpointing=false"]
   run_py(["train.py", *base, *dora])

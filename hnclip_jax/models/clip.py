@@ -54,6 +54,7 @@ class CLIPConfig:
   adapter_rank: int = 16
   adapter_alpha: float = 16.0
   adapter_targets: str = r"attn/(q|k|v|out)$|fc1$|fc2$"
+  adapter_dropout: float = 0.0  # dropout on the adapter branch's input, in training only
 
   @classmethod
   def from_dict(cls, d) -> "CLIPConfig":
@@ -66,7 +67,7 @@ class CLIPConfig:
   def validate(self) -> "CLIPConfig":
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
-      if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
+      if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 and f.name != "adapter_dropout":
         raise ValueError(f"config.model.{f.name}={v} must be positive")
     if self.image_size % self.patch_size:
       raise ValueError(f"config.model.image_size={self.image_size} is not a multiple of "
@@ -88,6 +89,8 @@ class CLIPConfig:
       raise ValueError(f"config.model.token_projection={self.token_projection!r}; choose one of {TOKEN_PROJECTIONS}")
     if self.act not in ACTIVATIONS:
       raise ValueError(f"config.model.act={self.act!r}; choose one of {sorted(ACTIVATIONS)}")
+    if not 0 <= self.adapter_dropout < 1:
+      raise ValueError(f"config.finetune.dropout={self.adapter_dropout} must be in [0, 1)")
     if self.adapter not in ADAPTERS:
       raise ValueError(f"config.finetune.method={self.adapter!r}; choose one of full, lora, dora")
     try:
@@ -104,16 +107,24 @@ TOKEN_PROJECTIONS = ("shared", "separate")
 ADAPTERS = ("none", "lora", "dora")
 
 
+def adapter_dropout(x, rate: float, rng):
+  """Inverted dropout of the adapter branch's input; the identity without an rng (eval) or at rate 0."""
+  if rng is None or not rate:
+    return x
+  keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
 class LoRALinear(nnx.LoRALinear):
   """Flax's nnx.LoRALinear (kernel and bias where nnx.Linear keeps them, plus lora/lora_a [in, r] and
-  lora/lora_b [r, out], lora_b zero at init) with LoRA's scaling: y = x W + b + (alpha / r) x A B."""
+  lora/lora_b [r, out], lora_b zero at init) with LoRA's scaling: y = x W + b + (alpha / r) drop(x) A B."""
 
-  def __init__(self, in_features, out_features, *, scale: float, **kwargs):
+  def __init__(self, in_features, out_features, *, scale: float, dropout: float = 0.0, **kwargs):
     super().__init__(in_features, out_features, **kwargs)
-    self.scale = scale
+    self.scale, self.dropout = scale, dropout
 
-  def __call__(self, x):
-    return nnx.Linear.__call__(self, x) + self.scale * self.lora(x)
+  def __call__(self, x, rng=None):
+    return nnx.Linear.__call__(self, x) + self.scale * self.lora(adapter_dropout(x, self.dropout, rng))
 
 
 def column_norm(w):
@@ -127,17 +138,33 @@ class DoRALinear(nnx.LoRALinear):
   recombined as m * V / ||V||_c in every forward pass (column norms recomputed, gradients through them), so the
   low-rank update moves the direction and m the length. m starts at ||W||_c (set by adapters.add_adapters)."""
 
-  def __init__(self, in_features, out_features, *, scale: float, **kwargs):
+  def __init__(self, in_features, out_features, *, scale: float, dropout: float = 0.0, **kwargs):
     super().__init__(in_features, out_features, **kwargs)
-    self.scale = scale
+    self.scale, self.dropout = scale, dropout
     self.magnitude = nnx.Param(jnp.ones((out_features,), jnp.float32))
 
-  def __call__(self, x):
-    v = self.kernel[...].astype(jnp.float32) + self.scale * (self.lora.lora_a[...] @ self.lora.lora_b[...])
-    w = v * (self.magnitude[...] / column_norm(v))
+  def __call__(self, x, rng=None):
+    w0 = self.kernel[...].astype(jnp.float32)
+    delta = self.scale * (self.lora.lora_a[...] @ self.lora.lora_b[...])
+    ratio = self.magnitude[...] / column_norm(w0 + delta)  # m / ||V||_c
     dt = self.dtype or x.dtype
-    y = x.astype(dt) @ w.astype(dt)
-    return y + self.bias[...].astype(dt) if self.bias is not None else y
+    b = self.bias[...].astype(dt) if self.bias is not None else 0
+    if rng is None or not self.dropout:
+      return x.astype(dt) @ ((w0 + delta) * ratio).astype(dt) + b
+    # With dropout on the adapter path (as PEFT does for DoRA): the base term sees x, the DoRA update x_d:
+    # x W + b + (m/||V|| - 1) x_d W + (m/||V||) x_d ΔW, which is the formula above when x_d = x.
+    xd = adapter_dropout(x, self.dropout, rng).astype(dt)
+    return (x.astype(dt) @ w0.astype(dt) + b + xd @ (w0 * (ratio - 1)).astype(dt)
+            + xd @ (delta * ratio).astype(dt))
+
+
+def _apply(layer, x, rng):
+  """A dense layer on x; adapter layers also get their dropout key."""
+  return layer(x, rng) if isinstance(layer, (LoRALinear, DoRALinear)) else layer(x)
+
+
+def _key(rng, i: int):
+  return None if rng is None else jax.random.fold_in(rng, i)
 
 
 def dense_factory(cfg, dtype, rngs):
@@ -147,8 +174,8 @@ def dense_factory(cfg, dtype, rngs):
   def dense(path, din, dout, init):
     if pattern is not None and pattern.search(path):
       cls = LoRALinear if cfg.adapter == "lora" else DoRALinear
-      return cls(din, dout, scale=cfg.adapter_alpha / cfg.adapter_rank, lora_rank=cfg.adapter_rank, lora_dtype=dtype,
-                 kernel_init=init, dtype=dtype, rngs=rngs)
+      return cls(din, dout, scale=cfg.adapter_alpha / cfg.adapter_rank, dropout=cfg.adapter_dropout,
+                 lora_rank=cfg.adapter_rank, lora_dtype=dtype, kernel_init=init, dtype=dtype, rngs=rngs)
     return nnx.Linear(din, dout, kernel_init=init, dtype=dtype, rngs=rngs)
 
   return dense
@@ -206,14 +233,15 @@ class Attention(nnx.Module):
     dense = dense or dense_factory(None, dtype, rngs)
     self.q, self.k, self.v, self.out = (dense(f"{prefix}/{n}", width, width, init) for n in ("q", "k", "v", "out"))
 
-  def __call__(self, x, causal, length=None):
-    """x: [B, L, W], or the tokens flattened to [B*L, W] with `length` = L (see Transformer)."""
+  def __call__(self, x, causal, length=None, rng=None):
+    """x: [B, L, W], or the tokens flattened to [B*L, W] with `length` = L (see Transformer). rng: adapter
+    dropout key (training only)."""
     shape, w = x.shape, x.shape[-1]
     l = length or shape[-2]
     x = x.reshape(-1, w)  # the projections are 2-D matmuls
     b = x.shape[0] // l
     split = lambda t: t.reshape(b, l, self.heads, w // self.heads)
-    q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+    q, k, v = (split(_apply(layer, x, _key(rng, j))) for j, layer in enumerate((self.q, self.k, self.v)))
     impl = self.implementation
     if impl == "auto":  # decided when traced, for the backend the program is compiled for
       impl = None if jax.default_backend() == "gpu" else "einsum"
@@ -221,7 +249,7 @@ class Attention(nnx.Module):
       o = einsum_attention(q, k, v, causal)
     else:
       o = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
-    return self.out(o.reshape(b * l, w)).reshape(shape)
+    return _apply(self.out, o.reshape(b * l, w), _key(rng, 3)).reshape(shape)
 
 
 class Block(nnx.Module):
@@ -238,9 +266,9 @@ class Block(nnx.Module):
     self.fc2 = dense(f"{prefix}/fc2", mlp_dim, width, init)
     self.act = ACTIVATIONS[act]
 
-  def __call__(self, x, causal, length=None):
-    x = x + self.attn(self.ln1(x), causal, length)
-    return x + self.fc2(self.act(self.fc1(self.ln2(x))))
+  def __call__(self, x, causal, length=None, rng=None):
+    x = x + self.attn(self.ln1(x), causal, length, _key(rng, 0))
+    return x + _apply(self.fc2, self.act(_apply(self.fc1, self.ln2(x), _key(rng, 1))), _key(rng, 2))
 
 
 class Transformer(nnx.Module):
@@ -251,20 +279,20 @@ class Transformer(nnx.Module):
                                   dense=dense, prefix=f"{prefix}/blocks/{i}") for i in range(layers)])
     self.remat = remat
 
-  def __call__(self, x, causal, keep: int | None = None):
+  def __call__(self, x, causal, keep: int | None = None, rng=None):
     """x: [B, L, W] -> [B, L, W]; with `keep` = k, returns (output, output of block k) (negative k from the end)."""
     # The blocks see the tokens flattened to [B*L, W]. Every dense layer is then a plain 2-D matmul, whose weight
     # gradient (contracting over B*L) needs no transposed copy of the activations; with [B, L, W] operands XLA:CPU
     # materialises one per layer and the MLP's forward+backward is 1.6-2.3x slower (benchmarks/layers.py).
     b, l, w = x.shape
-    apply = lambda block, h: block(h, causal, l)
+    apply = lambda block, h, r: block(h, causal, l, r)
     if self.remat != "none":
       apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat])
     x = x.reshape(b * l, w)
     kept = None
     keep_index = None if keep is None else keep % len(self.blocks)
     for i, block in enumerate(self.blocks):
-      x = apply(block, x)
+      x = apply(block, x, _key(rng, i))
       if i == keep_index:
         kept = x.reshape(b, l, w)
     x = x.reshape(b, l, w)
@@ -310,7 +338,7 @@ class CLIP(nnx.Module):
       self.visual_token_projection = nnx.Param(jnp.array(self.visual_projection[...]))
       self.text_token_projection = nnx.Param(jnp.array(self.text_projection[...]))
 
-  def image_tower(self, pixels, token_layer: int | None = None):
+  def image_tower(self, pixels, token_layer: int | None = None, rng=None):
     """pixels [B, H, W, 3] -> (pooled [B, E], tokens [B, 1+P, E] or None), both projected and unnormalised.
 
     With `token_layer` = k the per-token features of block k's output (CLS first, then the P patches) go through
@@ -323,13 +351,13 @@ class CLIP(nnx.Module):
     x = jnp.concatenate([cls, x], axis=1) + self.vision_positions[...].astype(dt)
     proj = self.visual_projection[...].astype(dt)
     if token_layer is None:
-      x = self.vision(self.ln_pre(x), causal=False)
+      x = self.vision(self.ln_pre(x), causal=False, rng=rng)
       return self.ln_post(x[:, 0]) @ proj, None
-    x, kept = self.vision(self.ln_pre(x), causal=False, keep=token_layer)
+    x, kept = self.vision(self.ln_pre(x), causal=False, keep=token_layer, rng=rng)
     tok_proj = self.visual_token_projection[...].astype(dt) if self.cfg.token_projection == "separate" else proj
     return self.ln_post(x[:, 0]) @ proj, self.ln_post(kept) @ tok_proj
 
-  def text_tower(self, tokens, token_layer: int | None = None):
+  def text_tower(self, tokens, token_layer: int | None = None, rng=None):
     """tokens [B, L] int -> (pooled [B, E] at the first end-of-text token, tokens [B, L, E] or None), projected and
     unnormalised; `token_layer` as in `image_tower` (the final LayerNorm and projection apply to every token)."""
     dt = jnp.dtype(self.cfg.dtype)
@@ -337,9 +365,9 @@ class CLIP(nnx.Module):
     x = self.token_embedding(tokens) + self.text_positions[...][:length].astype(dt)
     proj = self.text_projection[...].astype(dt)
     if token_layer is None:
-      x, kept = self.text(x, causal=True), None
+      x, kept = self.text(x, causal=True, rng=rng), None
     else:
-      x, kept = self.text(x, causal=True, keep=token_layer)
+      x, kept = self.text(x, causal=True, keep=token_layer, rng=rng)
     x = self.ln_final(x)
     pooled = jnp.take_along_axis(x, self.eot_positions(tokens)[:, None, None], axis=1)[:, 0]
     if kept is None:
@@ -366,16 +394,18 @@ class CLIP(nnx.Module):
     """The multiplier s = exp(logit_scale). Not clamped here: the parameter is clamped after each update."""
     return jnp.exp(self.logit_scale[...].astype(jnp.float32))
 
-  def __call__(self, pixels, tokens, *, token_layer: int | None = None, image_cls_token: bool = False):
+  def __call__(self, pixels, tokens, *, token_layer: int | None = None, image_cls_token: bool = False,
+               dropout_rng=None):
     """The training forward pass: pixels [B, H, W, 3], tokens [B, L] -> outputs dict.
 
     Always: "img", "txt" [B, E] L2-normalised fp32 and "scale" (s, a scalar: the only entry without a batch
     dimension). With `token_layer` (what a token-level loss term asks for): "img_tokens" [B, P, E] (P patches, or
     1+P with `image_cls_token`) and "txt_tokens" [B, L, E], L2-normalised per token, in the compute dtype, and
     "txt_mask" [B, L] bool, True on the real tokens (start through the first end-of-text, never padding).
+    dropout_rng: a key for the adapters' dropout (training); None (eval, and every model without it) is no dropout.
     """
-    img, img_tok = self.image_tower(pixels, token_layer)
-    txt, txt_tok = self.text_tower(tokens, token_layer)
+    img, img_tok = self.image_tower(pixels, token_layer, _key(dropout_rng, 0))
+    txt, txt_tok = self.text_tower(tokens, token_layer, _key(dropout_rng, 1))
     out = {"img": _l2_normalize(img), "txt": _l2_normalize(txt), "scale": self.scale()}
     if token_layer is not None:
       dt = jnp.dtype(self.cfg.dtype)
