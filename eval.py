@@ -73,7 +73,8 @@ def main(argv):
   param_sh = sharding.state_shardings({"params": abstract_params}, "params", mesh, rules)["params"]
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, param_sh)
   params = ckpt.restore_params(step, target)
-  captions = pipeline.caption_lists(builders.data_source(config.data, split, decode_images=False))
+  encoded = builders.data_source(config.data, split, decode_images=False)  # every process (it may sync hosts)
+  captions = pipeline.caption_lists(encoded)
   img, txt, caption_image = experiment.embed_split(params, train_step.make_embed_fn(graphdef, mesh, param_sh), source,
                                                    tokenizer, model_cfg, mesh, config.eval_batch_size, captions)
   res = experiment.retrieval_result(img, txt, caption_image)
@@ -84,7 +85,6 @@ def main(argv):
   wd.record_eval(out, {"data": dict(config.data)})
   if FLAGS.report and jax.process_index() == 0:
     from hnclip_jax.evaluation.report import write_report
-    encoded = builders.data_source(config.data, split, decode_images=False)
     page = write_report(
         os.path.abspath(os.path.expanduser(FLAGS.report)), img=img, txt=txt, caption_image=caption_image,
         captions=[c for caps in captions for c in caps], image_bytes=lambda row: encoded[row]["image"],

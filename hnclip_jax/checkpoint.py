@@ -185,15 +185,22 @@ class Checkpointer:
     if ref is None:
       raise IncompatibleCheckpoint(where, ["it stores every parameter, but this run keeps its frozen parameters "
                                            "apart (another config.finetune setting)"], meta)
+    # Raised as CheckpointError: a bad store is not a damaged step (no step is set aside, nothing is moved).
     if not os.path.isdir(self.frozen_dir):
-      raise FileNotFoundError(f"{where} references the frozen parameters in {self.frozen_dir}, which is missing; "
-                              "restore that directory (it is written once, at the run's first start)")
-    with ocp.StandardCheckpointer() as ckptr:
-      frozen = ckptr.restore(self.frozen_dir, abstract_frozen)
+      raise CheckpointError(f"{where} references the frozen parameters in {self.frozen_dir}, which is missing; "
+                            "restore that directory (it is written once, at the run's first start). Nothing was "
+                            "moved or deleted")
+    try:
+      with ocp.StandardCheckpointer() as ckptr:
+        frozen = ckptr.restore(self.frozen_dir, abstract_frozen)
+    except Exception as e:  # noqa: BLE001
+      raise CheckpointError(f"the frozen parameters in {self.frozen_dir} (referenced by {where}) cannot be read "
+                            f"({type(e).__name__}: {e}); restore that directory. Nothing was moved or deleted") from e
     got = fingerprint({"params": frozen})["params"]
     if not _same(ref["fingerprint"], got):
-      raise ValueError(f"{self.frozen_dir} does not hold the frozen parameters {where} was trained on (fingerprint "
-                       "differs): it was replaced or damaged")
+      raise CheckpointError(f"{self.frozen_dir} does not hold the frozen parameters {where} was trained on "
+                            "(fingerprint differs): it was replaced or damaged; restore it. Nothing was moved or "
+                            "deleted")
     self._frozen_fingerprint = ref["fingerprint"]
     return frozen
 

@@ -128,11 +128,15 @@ def test_frozen_parameters_are_stored_once_and_checked(tmp_path):
   np.testing.assert_array_equal(reader.restore_params(1, _abstract(state)["params"])["w"], state["params"]["w"])
   other = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), async_save=False, frozen=frozen)
   other.save_frozen({"w": state["params"]["w"] + 1, "b": state["params"]["b"]})  # the store replaced
-  with pytest.raises(ValueError, match="does not hold the frozen parameters"):
+  with pytest.raises(checkpoint.CheckpointError, match="does not hold the frozen parameters"):
     ck.restore(1, _abstract(state))
+  before = listing(tmp_path)
+  with pytest.raises(checkpoint.CheckpointError, match="does not hold the frozen parameters"):
+    ck.restore_latest_intact(_abstract(state))  # a bad store is not a damaged step: nothing is set aside
+  assert listing(tmp_path) == before
   import shutil
   shutil.rmtree(ck.frozen_dir)
-  with pytest.raises(FileNotFoundError, match="checkpoints_frozen_params, which is missing"):
+  with pytest.raises(checkpoint.CheckpointError, match="checkpoints_frozen_params, which is missing"):
     ck.restore(1, _abstract(state))
   everything = checkpoint.Checkpointer(str(tmp_path / "all"), async_save=False)
   everything.save(1, state, {}, force=True)
