@@ -94,7 +94,10 @@ for method in ("lora", "dora"):
       if adapters.is_adapter(adapters.path_of(p)) else x, aparams)
   amodel = (abstract_model(acfg)[0], aparams)
   a_loss, a_grads, _ = grads_on((1, 1, 1), token_weight=1.0, model=amodel)
-  for shape, kw in [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2})]:
+  # DoRA has every adapter leaf (lora_a, lora_b, magnitude) and the column norms: all five layouts and
+  # accumulation; LoRA (the same lora_a / lora_b rules) on the layout that splits over all three axes.
+  runs = [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2})] if method == "dora" else [((2, 2, 2), {})]
+  for shape, kw in runs:
     loss, grads, psh = grads_on(shape, token_weight=1.0, model=amodel, **kw)
     out["adapters"][f"{method} {shape}{' accum x2' if kw else ''}"] = {
         "loss_rel": abs(loss - a_loss) / a_loss, "grad_rel": max_rel(grads, a_grads)}

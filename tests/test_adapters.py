@@ -127,7 +127,7 @@ def test_merged_weights_compute_the_adapted_model(method):
     np.testing.assert_allclose(g, w, atol=1e-5)
 
 
-@pytest.mark.parametrize("method,dropout", [("lora", 0.0), ("dora", 0.0), ("lora", 0.3)])
+@pytest.mark.parametrize("method,dropout", [("dora", 0.0), ("lora", 0.3)])
 def test_only_adapters_train(method, dropout):
   """Several train steps: every base parameter (and the logit scale) bit-identical, every adapter leaf trained,
   and AdamW moments only for the adapters. With dropout the step is still a pure function of (state, batch):
@@ -166,7 +166,7 @@ def test_only_adapters_train(method, dropout):
 
 def test_adapter_workdir_load_merge_export_and_resume(tmp_path, tfds_dir):
   """train.py with DoRA (dropout 0.1): checkpoints hold the adapters only (the frozen base is stored once and referenced); a
-  SIGKILLed run resumes bit-identically; eval (no finetune flags needed) gives the same numbers on 1 and 8 devices;
+  SIGKILLed run resumes bit-identically; eval (no finetune flags needed) on 8 devices gives the 1-device numbers;
   pretrained.load(workdir) is the adapted model; merge_adapters and export give plain weights with the same
   embeddings (1e-5); resuming with another method stops naming it and changes nothing on disk."""
   from hnclip_jax import pretrained
@@ -196,13 +196,13 @@ def test_adapter_workdir_load_merge_export_and_resume(tmp_path, tfds_dir):
   resumed = pretrained.load(str(k))
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(model.params)))
   assert open(k / "metrics.jsonl").read() == open(w / "metrics.jsonl").read()
-  # Restored onto another mesh (8 devices, data 2 x fsdp 2 x tensor 2): eval gives the same numbers.
-  results = []
-  for devices, lay in ((1, ("1", "1", "1")), (8, ("2", "2", "2"))):
-    run_py(["eval.py", *base, *(f"--config.mesh.{a}={n}" for a, n in zip(("data", "fsdp", "tensor"), lay))],
-           devices=devices)
-    results.append({k_: v for k_, v in json.load(open(w / "eval_results.json")).items()})
-  assert results[0] == results[1]
+  # Restored onto another mesh (8 devices, data 2 x fsdp 2 x tensor 2): eval gives the numbers the 1-device run
+  # measured at its last step.
+  run_py(["eval.py", *base, "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"], devices=8)
+  res = json.load(open(w / "eval_results.json"))
+  last = [json.loads(line) for line in open(w / "metrics.jsonl") if "eval/t2i/R@1" in line][-1]
+  assert res["step"] == 4 and all(res[d][k] == pytest.approx(last[f"eval/{d}/{k}"]) for d in ("t2i", "i2t")
+                                  for k in ("R@1", "R@5", "R@10"))
   texts = ["a small red circle", "two large blue squares and a green triangle"]
   pixels = np.random.default_rng(0).normal(size=(3, 32, 32, 3)).astype(np.float32)
   want_t, want_i = model.encode_texts(texts), model.encode_pixels(pixels)
