@@ -47,6 +47,12 @@ def final_recall(workdir):
   return {f"{d}/R@{k}": ev[f"eval/{d}/R@{k}"] for d in ("t2i", "i2t") for k in (1, 5, 10)}
 
 
+def mean_std(workdirs) -> dict:
+  """{"t2i/R@1": [mean, std], ...} of the final recalls of runs that differ only in the seed."""
+  recs = [final_recall(w) for w in workdirs]
+  return {k: [float(np.mean([r[k] for r in recs])), float(np.std([r[k] for r in recs]))] for k in recs[0]}
+
+
 def per_epoch(workdir, steps_per_epoch, key, pred):
   """Fraction of logged steps per epoch where pred(row[key]) holds."""
   out = {}
@@ -120,21 +126,15 @@ def main():
       "pretrain_steps": pre_steps, "finetune_steps": ft_steps, "batch": batch, "num_train": num_train,
       "seeds": seeds, "gammas": gammas, "config": variant}}
   for g in gammas:
-    recs = [final_recall(runs[(g, s)]) for s in seeds]
-    results["by_gamma"][str(g)] = {k: [float(np.mean([r[k] for r in recs])), float(np.std([r[k] for r in recs]))]
-                                   for k in recs[0]}
+    results["by_gamma"][str(g)] = mean_std([runs[(g, s)] for s in seeds])
   results["token_term"] = {}
   for lam in token_weights:
     for g in (0.0, 0.5):
-      recs = [final_recall(tok_runs[(lam, g, s)]) for s in seeds]
-      results["token_term"][f"lambda{lam}_gamma{g}"] = {
-          k: [float(np.mean([r[k] for r in recs])), float(np.std([r[k] for r in recs]))] for k in recs[0]}
+      results["token_term"][f"lambda{lam}_gamma{g}"] = mean_std([tok_runs[(lam, g, s)] for s in seeds])
   results["adapters"] = {}
   for m in methods:
     for g in (0.0, 0.5):
-      recs = [final_recall(peft_runs[(m, g, s)]) for s in seeds]
-      results["adapters"][f"{m}_gamma{g}"] = {
-          k: [float(np.mean([r[k] for r in recs])), float(np.std([r[k] for r in recs]))] for k in recs[0]}
+      results["adapters"][f"{m}_gamma{g}"] = mean_std([peft_runs[(m, g, s)] for s in seeds])
   for g in (0.0, 0.5):
     if (g, seeds[0]) not in runs:
       continue

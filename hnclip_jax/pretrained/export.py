@@ -38,6 +38,22 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 LONGCLIP_CONTEXT = 248  # Long-CLIP's model code has 248 positions in two tables
 
 
+def _f32(x) -> np.ndarray:
+  """A parameter as a contiguous fp32 NumPy array (what both state-dict formats hold)."""
+  return np.ascontiguousarray(np.asarray(x, np.float32))
+
+
+def _writers(sd: dict):
+  """(linear, norm): write a Dense layer (PyTorch [out, in] weight + bias) or a LayerNorm into `sd` under a name."""
+  def linear(name, p):
+    sd[name + ".weight"], sd[name + ".bias"] = _f32(np.asarray(p["kernel"]).T), _f32(p["bias"])
+
+  def norm(name, p):
+    sd[name + ".weight"], sd[name + ".bias"] = _f32(p["scale"]), _f32(p["bias"])
+
+  return linear, norm
+
+
 def _blocks(params, tower):
   blocks = params[tower]["blocks"]
   return [blocks[i] if i in blocks else blocks[str(i)] for i in range(len(blocks))]
@@ -48,14 +64,8 @@ def hf_state_dict(params, cfg) -> dict:
   if cfg.token_projection != "shared":
     raise ValueError("this model has separate token projections (config.model.token_projection='separate'); the "
                      "Hugging Face CLIP format has no place for them")
-  f = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))  # noqa: E731
   sd = {}
-
-  def linear(name, p):
-    sd[name + ".weight"], sd[name + ".bias"] = f(np.asarray(p["kernel"]).T), f(p["bias"])
-
-  def norm(name, p):
-    sd[name + ".weight"], sd[name + ".bias"] = f(p["scale"]), f(p["bias"])
+  linear, norm = _writers(sd)
 
   for tower, prefix in (("vision", "vision_model"), ("text", "text_model")):
     for i, b in enumerate(_blocks(params, tower)):
@@ -67,17 +77,18 @@ def hf_state_dict(params, cfg) -> dict:
       linear(p + "self_attn.out_proj", b["attn"]["out"])
       linear(p + "mlp.fc1", b["fc1"])
       linear(p + "mlp.fc2", b["fc2"])
-  sd["vision_model.embeddings.patch_embedding.weight"] = f(np.asarray(params["patch_embed"]["kernel"]).transpose(3, 2, 0, 1))
-  sd["vision_model.embeddings.class_embedding"] = f(params["class_embedding"])
-  sd["vision_model.embeddings.position_embedding.weight"] = f(params["vision_positions"])
+  sd["vision_model.embeddings.patch_embedding.weight"] = _f32(
+      np.asarray(params["patch_embed"]["kernel"]).transpose(3, 2, 0, 1))
+  sd["vision_model.embeddings.class_embedding"] = _f32(params["class_embedding"])
+  sd["vision_model.embeddings.position_embedding.weight"] = _f32(params["vision_positions"])
   norm("vision_model.pre_layrnorm", params["ln_pre"])
   norm("vision_model.post_layernorm", params["ln_post"])
-  sd["visual_projection.weight"] = f(np.asarray(params["visual_projection"]).T)
-  sd["text_model.embeddings.token_embedding.weight"] = f(params["token_embedding"]["embedding"])
-  sd["text_model.embeddings.position_embedding.weight"] = f(params["text_positions"])
+  sd["visual_projection.weight"] = _f32(np.asarray(params["visual_projection"]).T)
+  sd["text_model.embeddings.token_embedding.weight"] = _f32(params["token_embedding"]["embedding"])
+  sd["text_model.embeddings.position_embedding.weight"] = _f32(params["text_positions"])
   norm("text_model.final_layer_norm", params["ln_final"])
-  sd["text_projection.weight"] = f(np.asarray(params["text_projection"]).T)
-  sd["logit_scale"] = f(params["logit_scale"]).reshape(())
+  sd["text_projection.weight"] = _f32(np.asarray(params["text_projection"]).T)
+  sd["logit_scale"] = _f32(params["logit_scale"]).reshape(())
   return sd
 
 
@@ -163,39 +174,33 @@ def openai_state_dict(params, cfg) -> dict:
   if why:
     raise ValueError("this model cannot be written in the OpenAI format: " + "; ".join(why) + ". Export it with "
                      "--format=hf instead")
-  f = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))  # noqa: E731
   sd = {}
-
-  def linear(name, p):
-    sd[name + ".weight"], sd[name + ".bias"] = f(np.asarray(p["kernel"]).T), f(p["bias"])
-
-  def norm(name, p):
-    sd[name + ".weight"], sd[name + ".bias"] = f(p["scale"]), f(p["bias"])
+  linear, norm = _writers(sd)
 
   for tower, prefix in (("vision", "visual.transformer"), ("text", "transformer")):
     for i, b in enumerate(_blocks(params, tower)):
       p = f"{prefix}.resblocks.{i}."
-      sd[p + "attn.in_proj_weight"] = f(np.concatenate([np.asarray(b["attn"][k]["kernel"]).T for k in "qkv"]))
-      sd[p + "attn.in_proj_bias"] = f(np.concatenate([np.asarray(b["attn"][k]["bias"]) for k in "qkv"]))
+      sd[p + "attn.in_proj_weight"] = _f32(np.concatenate([np.asarray(b["attn"][k]["kernel"]).T for k in "qkv"]))
+      sd[p + "attn.in_proj_bias"] = _f32(np.concatenate([np.asarray(b["attn"][k]["bias"]) for k in "qkv"]))
       linear(p + "attn.out_proj", b["attn"]["out"])
       norm(p + "ln_1", b["ln1"])
       norm(p + "ln_2", b["ln2"])
       linear(p + "mlp.c_fc", b["fc1"])
       linear(p + "mlp.c_proj", b["fc2"])
-  sd["visual.conv1.weight"] = f(np.asarray(params["patch_embed"]["kernel"]).transpose(3, 2, 0, 1))
-  sd["visual.class_embedding"] = f(params["class_embedding"])
-  sd["visual.positional_embedding"] = f(params["vision_positions"])
+  sd["visual.conv1.weight"] = _f32(np.asarray(params["patch_embed"]["kernel"]).transpose(3, 2, 0, 1))
+  sd["visual.class_embedding"] = _f32(params["class_embedding"])
+  sd["visual.positional_embedding"] = _f32(params["vision_positions"])
   norm("visual.ln_pre", params["ln_pre"])
   norm("visual.ln_post", params["ln_post"])
-  sd["visual.proj"] = f(params["visual_projection"])
-  sd["token_embedding.weight"] = f(params["token_embedding"]["embedding"])
-  positions = f(params["text_positions"])
+  sd["visual.proj"] = _f32(params["visual_projection"])
+  sd["token_embedding.weight"] = _f32(params["token_embedding"]["embedding"])
+  positions = _f32(params["text_positions"])
   sd["positional_embedding"] = positions
   if cfg.text_context == LONGCLIP_CONTEXT:  # Long-CLIP: rows < 20 are read from the first table, the rest from
     sd["positional_embedding_res"] = positions.copy()  # the second; both hold the whole table
   norm("ln_final", params["ln_final"])
-  sd["text_projection"] = f(params["text_projection"])
-  sd["logit_scale"] = f(params["logit_scale"]).reshape(())
+  sd["text_projection"] = _f32(params["text_projection"])
+  sd["logit_scale"] = _f32(params["logit_scale"]).reshape(())
   return sd
 
 
