@@ -92,25 +92,25 @@ def test_adapter_dropout_matches_numpy(cls):
 
 @pytest.mark.parametrize("method", ["lora", "dora"])
 def test_adapted_model_starts_as_the_base_model(method):
-  """B = 0 and (DoRA) m = ||W||_c: folding the fresh adapters gives back the base parameters (LoRA bit for bit,
-  DoRA to an ulp), and the
-  adapted model's embeddings equal the base model's (to 1e-6: XLA compiles the adapted program differently, e.g.
-  reassociating the zero low-rank term, so the outputs are not promised bitwise)."""
+  """B = 0 and (DoRA) m = ||W||_c: the fresh adapted model computes exactly what the base model does, bit for bit,
+  and folding its adapters gives back the base parameters bit for bit. Run op by op (jax.disable_jit), so that both
+  models' shared computations are the same XLA kernels: x W + (α/r)(x A)·0 is x W, and m / ||V||_c is exactly 1
+  when m and ||V||_c come from the same reduction. (Jitted, XLA fuses the two programs differently and the
+  embeddings agree to ~1e-7, not bitwise; that is the compiler's freedom, not the adapters'.)"""
   _, base = init_params(CFG, 0)
   cfg = adapted(method)
-  params = adapters.add_adapters(base, cfg, seed=1)
-  n_adapter, n_all = adapters.sizes(params)
-  assert 0 < n_adapter < 0.2 * n_all
-  _, folded = adapters.merge_adapters(params, cfg)
-  assert jax.tree.structure(folded) == jax.tree.structure(base)
-  for (p, x), y in zip(jax.tree_util.tree_flatten_with_path(folded)[0], jax.tree.leaves(base)):
-    if method == "lora":  # W + (α/r) A·0 is W exactly
-      assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), adapters.path_of(p)
-    else:  # m / ||V||_c is 1 up to an ulp (the norm is reduced in two different XLA programs)
-      np.testing.assert_allclose(x, y, rtol=3e-7, atol=0, err_msg=adapters.path_of(p))
   pixels, tokens = inputs()
-  for got, want in zip(embed(cfg, params, pixels, tokens), embed(CFG, base, pixels, tokens)):
-    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+  with jax.disable_jit():
+    params = adapters.add_adapters(base, cfg, seed=1)
+    n_adapter, n_all = adapters.sizes(params)
+    assert 0 < n_adapter < 0.2 * n_all
+    _, folded = adapters.merge_adapters(params, cfg)
+    assert jax.tree.structure(folded) == jax.tree.structure(base)
+    for (p, x), y in zip(jax.tree_util.tree_flatten_with_path(folded)[0], jax.tree.leaves(base)):
+      assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), adapters.path_of(p)
+    got, want = embed(cfg, params, pixels, tokens), embed(CFG, base, pixels, tokens)
+  for g, w in zip(got, want):
+    assert np.abs(g).max() > 0.01 and g.tobytes() == w.tobytes(), np.abs(g - w).max()
 
 
 @pytest.mark.parametrize("method", ["lora", "dora"])
