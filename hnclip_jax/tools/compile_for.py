@@ -1,4 +1,4 @@
-"""Compile the real train step for a TPU topology you do not have, and report whether (and how well) it fits.
+"""Compile the real train step for a TPU topology (or GPU hosts) you do not have; report whether, and how well, it fits.
 
   python -m hnclip_jax.tools.compile_for --config configs/longclip_l.py:docci --topology v5p:2x4x4 \\
       [--config.mesh.fsdp=8 --config.batch_size=1024 ...] [--json report.json]
@@ -16,6 +16,13 @@ sum fits the chip's HBM (`HBM_GIB`), XLA's FLOPs per step, the collectives of th
 bytes of all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute, each weighted by the trip counts
 of the loops it sits in, i.e. per executed step), a roofline estimate of the step time (FLOPs at peak plus
 collective bytes at the ICI bandwidth, no overlap) and the compile time.
+
+GPUs (`--topology h100:1x8`, hosts x GPUs per host; h100 and a100): XLA's GPU compiler from JAX's CUDA plugin
+compiles without a GPU given a target config (`gpu_target_config`, from NVIDIA's data sheets): `pip install
+--no-deps --target ~/.cache/hnclip_jax/cuda jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2` and
+PYTHONPATH=~/.cache/hnclip_jax/cuda. It returns memory analysis and the optimised program but no cost analysis, so
+a GPU report's FLOPs are the whole program's (XLA's HLO cost analysis) divided by the devices, and its roofline
+uses NVLink bandwidth (optimistic across hosts, whose traffic goes over the network).
 """
 from __future__ import annotations
 
@@ -53,6 +60,21 @@ CHIPS = {
     "v5p": {"hbm_bytes": 95 * GIB, "peak_tflops": 459, "ici_gbps": 1200},
     "v6e": {"hbm_bytes": 32 * GB, "peak_tflops": 918, "ici_gbps": 800},
 }
+# GPUs, compiled by XLA's GPU compiler from the CUDA PJRT plugin without a GPU: the plugin needs a target config
+# (a GpuTargetConfigProto: what XLA would otherwise query from the device). From NVIDIA's data sheets (H100 SXM5
+# 80 GB, A100 SXM4 80 GB; read 2026-12-01): SM count, shared memory and registers per SM, L2, clock, memory and
+# bandwidth, CUDA compute capability; dense bf16 tensor-core FLOP/s; NVLink bandwidth per GPU (bidirectional).
+GPUS = {
+    "h100": {"hbm_bytes": 80 * GB, "peak_tflops": 989, "ici_gbps": 900, "name": "NVIDIA H100 80GB HBM3",
+             "cc": (9, 0), "sms": 132, "fpus_per_sm": 128, "smem_per_sm": 228 * 1024, "smem_optin": 227 * 1024,
+             "l2": 50 * 2 ** 20, "clock_ghz": 1.98, "mem_bw": 3.35e12},
+    "a100": {"hbm_bytes": 80 * GB, "peak_tflops": 312, "ici_gbps": 600, "name": "NVIDIA A100-SXM4-80GB",
+             "cc": (8, 0), "sms": 108, "fpus_per_sm": 64, "smem_per_sm": 164 * 1024, "smem_optin": 163 * 1024,
+             "l2": 40 * 2 ** 20, "clock_ghz": 1.41, "mem_bw": 2.039e12},
+}
+CUDA_PLUGIN = ("pip install --no-deps --target ~/.cache/hnclip_jax/cuda jax-cuda12-plugin==0.10.2 "
+               "jax-cuda12-pjrt==0.10.2 (the versions jax[cuda12]==0.10.2 pins; no CUDA libraries or GPU needed) "
+               "and rerun with PYTHONPATH=~/.cache/hnclip_jax/cuda")
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
           "s64": 8, "u64": 8, "f64": 8, "c64": 8}
@@ -63,7 +85,8 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The command's flags (defined when run as a program, so importing this module defines none)."""
   config_flags.DEFINE_config_file("config", None, "Config file (as for train.py).", lock_config=True)
-  flags.DEFINE_string("topology", None, "TPU topology, e.g. v5e:2x2, v5e:4x4, v5p:2x2x2, v4:2x2x1, v6e:4x4.")
+  flags.DEFINE_string("topology", None, "TPU topology, e.g. v5e:2x2, v5e:4x4, v5p:2x2x2, v4:2x2x1, v6e:4x4; or "
+                      "GPUs as HOSTSxGPUS_PER_HOST: h100:1x8, a100:2x8.")
   flags.DEFINE_string("json", "", "Write the report (or the sweep's rows) to this JSON file.")
   flags.DEFINE_bool("sweep", False, "Compile a grid of layouts and settings; print a table sorted by fit and cost.")
   flags.DEFINE_string("layouts", "auto", "Sweep: mesh layouts DATAxFSDPxTENSOR, comma-separated; 'auto': every "
@@ -76,22 +99,66 @@ def define_flags() -> None:
 
 def chip_spec(topology: str) -> dict:
   gen = topology.split(":", 1)[0].lower()
+  if gen in GPUS:
+    return {"generation": gen, "platform": "cuda", **GPUS[gen]}
   if gen not in CHIPS:
-    raise ValueError(f"--topology={topology}: unknown TPU generation {gen!r}; known: {sorted(CHIPS)}")
-  return {"generation": gen, **CHIPS[gen]}
+    raise ValueError(f"--topology={topology}: unknown TPU generation or GPU {gen!r}; known: {sorted(CHIPS)} "
+                     f"(TPU, e.g. v5e:4x4) and {sorted(GPUS)} (GPU, HOSTSxGPUS_PER_HOST, e.g. h100:2x8)")
+  return {"generation": gen, "platform": "tpu", **CHIPS[gen]}
+
+
+def gpu_target_config(spec: dict) -> str:
+  """The GpuTargetConfigProto (text) XLA's GPU compiler needs in place of a device."""
+  return (f"gpu_device_info {{ cuda_compute_capability {{ major: {spec['cc'][0]} minor: {spec['cc'][1]} }} "
+          f"threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152 "
+          f"shared_memory_per_block_optin: {spec['smem_optin']} shared_memory_per_core: {spec['smem_per_sm']} "
+          f"threads_per_core_limit: 2048 registers_per_core_limit: 65536 registers_per_block_limit: 65536 "
+          f"core_count: {spec['sms']} fpus_per_core: {spec['fpus_per_sm']} block_dim_limit_x: 2147483647 "
+          f"block_dim_limit_y: 65535 block_dim_limit_z: 65535 memory_bandwidth: {int(spec['mem_bw'])} "
+          f"l2_cache_size: {spec['l2']} clock_rate_ghz: {spec['clock_ghz']} "
+          f"device_memory_size: {spec['hbm_bytes']} }} platform_name: \"CUDA\" "
+          f"runtime_version {{ major: 12 minor: 8 }} dnn_version_info {{ major: 9 minor: 8 }} "
+          f"device_description_str: \"{spec['name']}\"")
+
+
+def chip_count(topology: str) -> int:
+  return math.prod(int(x) for x in topology.split(":", 1)[1].split("x"))
 
 
 def topology_devices(topology: str):
-  """The TPU devices of `topology` (e.g. 'v5e:2x2'), from libtpu, without a TPU."""
+  """The devices of `topology` (TPU: 'v5e:2x2', from libtpu; GPU: 'h100:2x8', hosts x GPUs per host, from the CUDA
+  plugin and a target config), without the hardware."""
+  from jax.experimental import topologies
+  spec = chip_spec(topology)
+  if spec["platform"] == "cuda":
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+      raise FileNotFoundError(f"--topology={topology}: JAX's CUDA plugin is not installed, so there is no GPU "
+                              f"compiler: {CUDA_PLUGIN}")
+    shape = topology.split(":", 1)[1].split("x")
+    if len(shape) != 2 or not all(x.isdigit() and int(x) > 0 for x in shape):
+      raise ValueError(f"--topology={topology}: a GPU topology is HOSTSxGPUS_PER_HOST, e.g. {spec['generation']}:1x8")
+    return topologies.get_topology_desc(spec["generation"], platform="cuda", target_config=gpu_target_config(spec),
+                                        topology=f"1x{shape[0]}x{shape[1]}").devices
   if importlib.util.find_spec("libtpu") is None:
     raise FileNotFoundError("libtpu is not installed, so there is no TPU compiler: pip install --target "
                             "~/.cache/hnclip_jax/libtpu libtpu==0.0.42.1 (the version jax[tpu]==0.10.2 pins) and rerun "
                             "with PYTHONPATH=~/.cache/hnclip_jax/libtpu")
-  from jax.experimental import topologies
   try:
     return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
   except Exception as e:  # libtpu's message names what it could not parse
     raise ValueError(f"--topology={topology}: libtpu cannot build this topology ({e}); use e.g. v5e:2x2, v5p:2x2x2")
+
+
+def global_flops(lowered) -> float:
+  """FLOPs of the whole (unpartitioned) program by XLA's HLO cost analysis on the host: for targets whose compiler
+  returns no cost analysis without a device (GPU). NaN where the analysis is unavailable."""
+  try:
+    from jax._src import xla_bridge
+    from jax._src.lib import xla_client
+    module = lowered.compiler_ir("hlo").as_hlo_module()
+    return float(xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)["flops"])
+  except Exception:  # a private API: report no FLOPs rather than fail the compile report
+    return float("nan")
 
 
 def _array_bytes(type_str: str) -> int:
@@ -171,15 +238,19 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
   train_step.check_model(config, model_cfg, mesh, rules)
   program = train_step.build_program(config, model_cfg, mesh, rules)
   t0 = time.perf_counter()
-  compiled = program.step.lower(program.target(), train_step.abstract_batch(config, model_cfg, mesh)).compile()
+  lowered = program.step.lower(program.target(), train_step.abstract_batch(config, model_cfg, mesh))
+  compiled = lowered.compile()
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  flops = float(cost.get("flops", float("nan")))
+  if cost:  # TPU: the partitioned program's FLOPs per device
+    flops, flops_source = float(cost.get("flops", float("nan"))), "compiled program per device"
+  else:  # GPU without a device: the whole program's FLOPs split evenly
+    flops, flops_source = global_flops(lowered) / len(devices), "whole program / devices"
   coll = collective_stats(compiled.as_text())
   arg, out, alias, temp = (int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp"))
-  chips = math.prod(int(x) for x in topology.split(":", 1)[1].split("x"))
+  chips = chip_count(topology)
   per_chip = len(devices) / chips  # JAX devices per chip
   hbm = chip["hbm_bytes"] / per_chip
   total = arg + out - alias + temp
@@ -192,7 +263,8 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
             "token_weight": config.loss.token_weight, "model": dataclasses.asdict(model_cfg),
             "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
             "total_bytes": total, "hbm_bytes": int(hbm), "fits": total <= hbm, "flops_per_chip": flops,
-            "collectives": coll, "collective_bytes": coll_bytes, "est_step_s": est, "compile_s": compile_s,
+            "flops_source": flops_source, "collectives": coll, "collective_bytes": coll_bytes, "est_step_s": est,
+            "compile_s": compile_s,
             "jax": jax.__version__}
   return (report, compiled) if return_compiled else report
 
