@@ -224,3 +224,23 @@ def test_adapter_workdir_load_merge_export_and_resume(tmp_path, tfds_dir):
   plain = run_py(["-m", "hnclip_jax.pretrained.merge_adapters", str(tmp_path / "merged"), str(tmp_path / "m2")],
                  check=False)
   assert plain.returncode != 0 and "has no adapters" in plain.stderr
+
+
+def test_adapter_dropout_applies_from_pretrained_weights(tmp_path, monkeypatch):
+  """A first start from config.init_from gets config.finetune.dropout, as a resumed run (which reads model.json)
+  does: otherwise the first segment of a run would train without dropout and a resume would not be bit-identical."""
+  from hnclip_jax import experiment, pretrained
+  from hnclip_jax.data.tokenizer import WordTokenizer
+  from hnclip_jax.workdir import Workdir
+  _, base = init_params(CFG, 0)
+  tok = WordTokenizer.fit(["a red circle", "a blue square"], context_length=CFG.text_context)
+  cfg = dataclasses.replace(CFG, vocab_size=64, eot_token_id=tok.eot_id).validate()
+  monkeypatch.setattr(pretrained, "load", lambda path, step=None: pretrained.Pretrained(cfg, base, tok, path))
+  config = config_lib.base_config()
+  config.init_from, config.model.text_context = "weights/", CFG.text_context
+  config.finetune.method, config.finetune.rank, config.finetune.dropout = "lora", 4, 0.25
+  wd = Workdir(str(tmp_path / "w"))
+  got, _, params = experiment.resolve_model(config, wd, training=True)
+  assert got.adapter == "lora" and got.adapter_dropout == 0.25 and "lora_a" in str(jax.tree.structure(params))
+  resumed, _, _ = experiment.resolve_model(config, wd, training=True)
+  assert resumed.adapter_dropout == got.adapter_dropout

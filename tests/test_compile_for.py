@@ -15,6 +15,9 @@ from hnclip_jax.tools import compile_for
 # errors, so only the compile subprocess sees it.
 LIBTPU_DIR = os.environ.get("HNCLIP_LIBTPU_DIR", os.path.expanduser("~/.cache/hnclip_jax/libtpu"))
 LIBTPU = "libtpu==0.0.42.1"
+# JAX's CUDA plugin (the GPU compiler; no CUDA libraries or GPU needed to compile), installed the same way.
+CUDA_DIR = os.environ.get("HNCLIP_CUDA_PLUGIN_DIR", os.path.expanduser("~/.cache/hnclip_jax/cuda"))
+CUDA_PLUGIN = ["jax-cuda12-plugin==0.10.2", "jax-cuda12-pjrt==0.10.2"]
 
 
 def libtpu_path():
@@ -28,6 +31,16 @@ def libtpu_path():
     if proc.returncode != 0:
       return None
   return LIBTPU_DIR
+
+
+def cuda_plugin_path():
+  """A PYTHONPATH entry holding JAX's CUDA plugin, installing it if needed; None if it cannot be installed."""
+  if not os.path.isdir(os.path.join(CUDA_DIR, "jax_plugins", "xla_cuda12")):
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", CUDA_DIR,
+                           *CUDA_PLUGIN], capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+      return None
+  return CUDA_DIR
 
 HLO = """HloModule m
 
@@ -79,18 +92,39 @@ def test_collectives_are_counted_per_executed_step():
 def test_layouts_and_chip_table():
   assert compile_for.auto_layouts(4) == [(4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)]
   assert compile_for.chip_spec("v5e:2x2")["hbm_bytes"] == 16 * 10 ** 9
-  with pytest.raises(ValueError, match="unknown TPU generation 'v9x'"):
+  assert compile_for.chip_spec("h100:2x8")["platform"] == "cuda" and compile_for.chip_count("h100:2x8") == 16
+  with pytest.raises(ValueError, match="unknown TPU generation or GPU 'v9x'"):
     compile_for.chip_spec("v9x:2x2")
+
+
+def test_compiled_model_is_the_runs_model_with_its_adapters():
+  """config.finetune reaches the compiled program (LoRA/DoRA leaves, rank, dropout), as in train.py."""
+  import sys
+  sys.path.insert(0, ROOT)
+  from configs.longclip_l import get_config
+  c = get_config("dora")
+  cfg = compile_for.model_for(c)
+  assert (cfg.adapter, cfg.adapter_rank, cfg.text_context, cfg.vision_layers) == ("dora", 16, 248, 24)
+  assert compile_for.model_for(get_config("")).adapter == "none"
 
 
 def test_clear_errors_without_a_tpu_compiler(tmp_path):
   proc = run_py(["-m", "hnclip_jax.tools.compile_for", "--config", "configs/demo.py:test", "--topology", "v9x:2x2"],
                 check=False)
-  assert proc.returncode == 2 and "unknown TPU generation 'v9x'" in proc.stderr, proc.stderr[-2000:]
+  assert proc.returncode == 2 and "unknown TPU generation or GPU 'v9x'" in proc.stderr, proc.stderr[-2000:]
   if importlib.util.find_spec("libtpu") is None:  # the usual test environment: libtpu is not importable here
     proc = run_py(["-m", "hnclip_jax.tools.compile_for", "--config", "configs/demo.py:test", "--topology",
                    "v5e:2x2"], check=False)
     assert proc.returncode == 2 and "libtpu is not installed" in proc.stderr and "libtpu==0.0.42.1" in proc.stderr
+  try:
+    has_plugin = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:
+    has_plugin = False
+  if not has_plugin:
+    proc = run_py(["-m", "hnclip_jax.tools.compile_for", "--config", "configs/demo.py:test", "--topology",
+                   "h100:1x8"], check=False)
+    assert proc.returncode == 2 and "CUDA plugin is not installed" in proc.stderr and "jax-cuda12-pjrt==0.10.2" \
+        in proc.stderr, proc.stderr[-2000:]
 
 
 SCRIPT = r"""
@@ -130,3 +164,37 @@ def test_tiny_model_compiles_for_v5e_2x2_and_the_report_is_the_compilers():
   assert r["collectives"]["all-gather"]["count"] >= res["static_all_gathers"] > 0
   assert r["collectives"]["all-gather"]["bytes"] > 0 and r["token_weight"] == 1.0
   assert "fits" in proc.stdout and "collectives per step" in proc.stdout
+
+
+GPU_SCRIPT = r"""
+import json, math
+import jax
+from hnclip_jax.tools import compile_for
+from hnclip_jax.models import abstract_model
+from configs.demo import get_config
+c = get_config("test")
+c.mesh.data = 8
+r, compiled = compile_for.compile_report(c, "h100:1x8", return_compiled=True)
+compile_for.print_report(r)
+m = compiled.memory_analysis()
+n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_model(compile_for.model_for(c))[1]))
+print("RESULT " + json.dumps({"report": r, "memory": {k: getattr(m, k + "_size_in_bytes") for k in
+      ("argument", "output", "alias", "temp")}, "n_params": n_params}))
+"""
+
+
+def test_tiny_model_compiles_for_eight_h100s_without_a_gpu():
+  """The CUDA plugin's compiler with a target config in place of a device: the report is its memory analysis;
+  data parallelism all-reduces every fp32 gradient (bytes >= parameters x 4); FLOPs come from the whole program."""
+  path = cuda_plugin_path()
+  if path is None:
+    pytest.skip(f"{CUDA_PLUGIN} could not be installed into {CUDA_DIR} (pip failed): the GPU compile is not tested")
+  proc = run_py(["-c", GPU_SCRIPT], env_extra={"PYTHONPATH": os.pathsep.join([path, ROOT])}, timeout=900)
+  res = json.loads(proc.stdout.split("RESULT ", 1)[1])
+  r, mem = res["report"], res["memory"]
+  assert r["device_kind"] == "NVIDIA H100 80GB HBM3" and r["devices"] == r["chips"] == 8
+  assert (r["argument_bytes"], r["output_bytes"], r["alias_bytes"], r["temp_bytes"]) == (
+      mem["argument"], mem["output"], mem["alias"], mem["temp"])
+  assert r["fits"] and r["hbm_bytes"] == 80 * 10 ** 9 and r["total_bytes"] > 0
+  assert r["collectives"]["all-reduce"]["bytes"] >= 4 * res["n_params"] > 0
+  assert r["flops_source"] == "whole program / devices" and r["flops_per_chip"] > 0

@@ -72,6 +72,9 @@ GPUS = {
              "cc": (8, 0), "sms": 108, "fpus_per_sm": 64, "smem_per_sm": 164 * 1024, "smem_optin": 163 * 1024,
              "l2": 40 * 2 ** 20, "clock_ghz": 1.41, "mem_bw": 2.039e12},
 }
+# Without a device XLA cannot autotune, and its Triton GEMM tiling then fails on some of ViT-L's matmuls ("Couldn't
+# find output tile sizes"); cuBLAS GEMMs (what XLA falls back to anyway when autotuning finds nothing better) compile.
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 CUDA_PLUGIN = ("pip install --no-deps --target ~/.cache/hnclip_jax/cuda jax-cuda12-plugin==0.10.2 "
                "jax-cuda12-pjrt==0.10.2 (the versions jax[cuda12]==0.10.2 pins; no CUDA libraries or GPU needed) "
                "and rerun with PYTHONPATH=~/.cache/hnclip_jax/cuda")
@@ -131,7 +134,11 @@ def topology_devices(topology: str):
   from jax.experimental import topologies
   spec = chip_spec(topology)
   if spec["platform"] == "cuda":
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    try:
+      plugin = importlib.util.find_spec("jax_plugins.xla_cuda12")
+    except ModuleNotFoundError:  # no jax_plugins namespace at all
+      plugin = None
+    if plugin is None:
       raise FileNotFoundError(f"--topology={topology}: JAX's CUDA plugin is not installed, so there is no GPU "
                               f"compiler: {CUDA_PLUGIN}")
     shape = topology.split(":", 1)[1].split("x")
@@ -239,7 +246,7 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
   program = train_step.build_program(config, model_cfg, mesh, rules)
   t0 = time.perf_counter()
   lowered = program.step.lower(program.target(), train_step.abstract_batch(config, model_cfg, mesh))
-  compiled = lowered.compile()
+  compiled = lowered.compile(GPU_COMPILER_OPTIONS if chip["platform"] == "cuda" else None)
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -272,18 +279,19 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
 def model_for(config):
   """The architecture the run would train: config.init_from's (read from the weights) or config.model (a vocabulary
   size 0 / end token -1 means the CLIP BPE tokenizer's 49,408 / 49,407, since there is no data to fit one on)."""
-  from hnclip_jax import experiment
+  from hnclip_jax import config as config_lib, experiment
   from hnclip_jax.models import CLIPConfig
   if config.init_from:
     from hnclip_jax import pretrained
     pre = pretrained.load(config.init_from)
     if config.model.text_context > pre.config.text_context:
       pre = pre.with_text_context(config.model.text_context)
-    return experiment.runtime(dataclasses.replace(pre.config, token_projection=config.model.token_projection), config)
+    return experiment.runtime(dataclasses.replace(pre.config, token_projection=config.model.token_projection,
+                                                  **config_lib.adapter_fields(config)).validate(), config)
   d = dict(config.model)
   d["vocab_size"] = d["vocab_size"] or 49408
   d["eot_token_id"] = d["eot_token_id"] if d["eot_token_id"] >= 0 else d["vocab_size"] - 1
-  return experiment.runtime(CLIPConfig.from_dict(d), config)
+  return experiment.runtime(CLIPConfig.from_dict({**d, **config_lib.adapter_fields(config)}), config)
 
 
 def _gb(x):
