@@ -91,8 +91,8 @@ def base_config() -> ml_collections.ConfigDict:
       # on_bad_example: "error" stops the build at a bad example, "skip" leaves it out and reports it.
       "name": "synthetic", "data_dir": "", "train_split": "train", "eval_split": "test",
       "manual_dir": "", "on_bad_example": "error",
-      # Synthetic data only:
-      "num_train": 4096, "num_test": 512, "group_size": 4, "image_size": 64, "seed": 0})
+      # Synthetic data only (captions: "dense" near-duplicate descriptions, or "short" alt-text for pre-training):
+      "num_train": 4096, "num_test": 512, "group_size": 4, "image_size": 64, "seed": 0, "captions": "dense"})
   # Device mesh: axis sizes; one may be -1 (= all remaining devices). The batch is split over data × fsdp.
   # rules: logical parameter axis -> mesh axis (see hnclip_jax/sharding.py).
   c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1,

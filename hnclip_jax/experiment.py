@@ -70,7 +70,8 @@ def describe_data(data) -> str:
   """'pairs from /data/x' / 'synthetic (tr4096_te512_g4_px64_s0)': which dataset a run reads, for the log."""
   if data["name"] == "synthetic":
     return (f"synthetic ({data['num_train']} train / {data['num_test']} test, group {data['group_size']}, "
-            f"{data['image_size']} px, seed {data['seed']})")
+            f"{data['image_size']} px, seed {data['seed']}"
+            + (f", {data['captions']} captions" if data.get("captions", "dense") != "dense" else "") + ")")
   return f"{data['name']} from {data['manual_dir']}"
 
 

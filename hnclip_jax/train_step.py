@@ -191,10 +191,18 @@ def check_accumulation(config, mesh) -> None:
                      f"{per_device} (batch_size / grad_accum_steps / batch shards)")
 
 
-def make_forward(graphdef, objective: Objective):
+def make_forward(graphdef, objective: Objective, frozen=None):
   """(params, images [b,H,W,3], tokens [b,L], rng=None) -> the model's outputs dict, with what `objective` needs;
-  rng: the adapters' dropout key (None: no dropout)."""
-  return lambda params, images, tokens, rng=None: objective.forward(bind(graphdef, params), images, tokens, rng)
+  rng: the adapters' dropout key (None: no dropout). frozen: path -> bool; those parameters pass through
+  stop_gradient inside the function that is differentiated, so JAX emits no weight gradient for them (their
+  gradient is a zero constant) — LoRA's and a frozen tower's compute saving."""
+  def forward(params, images, tokens, rng=None):
+    if frozen is not None:
+      params = jax.tree_util.tree_map_with_path(
+          lambda p, x: jax.lax.stop_gradient(x) if frozen(param_path(p)) else x, params)
+    return objective.forward(bind(graphdef, params), images, tokens, rng)
+
+  return forward
 
 
 def _fold(rng, i):
@@ -226,9 +234,9 @@ def _micro_batching(mesh, accum_steps: int):
   return split, merge
 
 
-def make_outputs_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1):
+def make_outputs_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, frozen=None):
   """(params, batch) -> outputs of the whole batch, computed a micro-batch at a time (no activations kept)."""
-  forward = make_forward(graphdef, objective)
+  forward = make_forward(graphdef, objective, frozen)
   if accum_steps == 1:
     return lambda params, batch, rng=None: forward(params, batch["image"], batch["tokens"], _fold(rng, 0))
   split, merge = _micro_batching(mesh, accum_steps)
@@ -259,7 +267,8 @@ def make_loss_of_outputs(mesh, objective: Objective, accum_steps: int = 1, negat
   return loss
 
 
-def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, negatives: str = "micro_batch"):
+def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, negatives: str = "micro_batch",
+                 frozen=None):
   """(params, batch) -> ((loss, terms), grads). batch: image f32 [B,H,W,3], tokens int32 [B,L], sharded over the
   batch axes; terms: the objective's per-term losses.
 
@@ -269,8 +278,9 @@ def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, neg
     objective over the whole batch gives the gradient w.r.t. every output (embeddings, token features, scale),
     then each micro-batch is recomputed and back-propagated with its slice of it (GradCache). The gradient equals
     the un-accumulated one; activation memory is one micro-batch.
+  frozen: path -> bool: those parameters get a zero gradient and no weight-gradient computation (`make_forward`).
   """
-  forward = make_forward(graphdef, objective)
+  forward = make_forward(graphdef, objective, frozen)
 
   def loss_fn(params, images, tokens, rng=None):
     loss, aux = objective(forward(params, images, tokens, rng), mesh)
@@ -294,7 +304,7 @@ def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, neg
     total, _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), split(batch["image"]), split(batch["tokens"])))
     return jax.tree.map(lambda x: x / accum_steps, total)
 
-  outputs_fn = make_outputs_fn(graphdef, mesh, objective, accum_steps)
+  outputs_fn = make_outputs_fn(graphdef, mesh, objective, accum_steps, frozen)
   loss_of_outputs = make_loss_of_outputs(mesh, objective)
 
   def global_batch_negatives(params, batch, rng=None):
@@ -319,10 +329,11 @@ def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, neg
 def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings, frozen=None):
   """Returns jitted step(state, batch) -> (state, metrics); the state is donated.
 
-  frozen: path -> bool (`frozen_predicate`); those parameters enter the loss through stop_gradient, so XLA computes
-  no weight gradient for them (LoRA's saving) and grad_norm is that of the trained parameters."""
+  frozen: path -> bool (`frozen_predicate`); those parameters enter the loss through stop_gradient inside the
+  differentiated function, so no weight gradient is computed for them (LoRA's saving) and grad_norm is that of the
+  trained parameters."""
   objective = Objective.from_config(config.loss)
-  grad_fn = make_grad_fn(graphdef, mesh, objective, config.grad_accum_steps, config.loss.negatives)
+  grad_fn = make_grad_fn(graphdef, mesh, objective, config.grad_accum_steps, config.loss.negatives, frozen)
   clamp = config.optimizer.train_logit_scale and not (frozen is not None and frozen(SCALE_PARAM))
   # Adapter dropout: a key per step (and per micro-batch inside it), a pure function of config.seed and the step, so
   # a resumed run draws the same masks.
@@ -331,9 +342,6 @@ def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings, froze
 
   def step(state, batch):
     params = state["params"]
-    if frozen is not None:
-      params = jax.tree_util.tree_map_with_path(
-          lambda p, x: jax.lax.stop_gradient(x) if frozen(param_path(p)) else x, params)
     rng = jax.random.fold_in(base_key, state["step"]) if dropout else None
     (loss, terms), grads = grad_fn(params, batch, rng)
     grad_norm = optax.tree.norm(grads)

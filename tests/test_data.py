@@ -28,6 +28,32 @@ def test_generator_is_deterministic_and_described():
     assert len(set(cap for _, _, cap, _ in a)) == len(a)  # no exact duplicates
 
 
+def test_short_captions_are_alt_text_over_the_dense_vocabulary():
+  """captions="short": the same scenes (same images), a few words naming one or two of the scene's objects, in
+  varied phrasings; a word tokenizer fitted on them knows every word of the dense captions."""
+  short = list(synthetic.generate(400, 1, 32, seed=5, captions="short"))
+  dense = list(synthetic.generate(400, 1, 32, seed=5))
+  assert [x[1] for x in short] == [x[1] for x in dense]  # the captions change, not the scenes
+  words = [len(cap.replace(",", " ").split()) for _, _, cap, _ in short]
+  assert max(words) <= 14 and np.mean(words) < 8, (max(words), np.mean(words))
+  assert len({cap for _, _, cap, _ in short}) > 300 and len(set(g for *_, g in short)) == 400
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    scene = tuple(synthetic._random_obj(rng, c) for c in rng.choice(9, 3, replace=False))
+    cap = synthetic.short_caption(scene, rng)
+    named = [(c, s) for c in synthetic.COLORS for s in synthetic.SHAPES if f"{c} {s}" in cap]
+    assert 1 <= len(named) <= 2 and all(any((o.color, o.shape) == n for o in scene) for n in named), cap
+  tok = WordTokenizer.fit([cap for _, _, cap, _ in short], context_length=80)
+  dense_words = {w.strip(".:,;").lower() for _, _, cap, _ in dense for w in cap.split()}
+  unknown = [w for w in dense_words if tok([w])[0, 1] == 1]  # id 1 is <unk>
+  assert not unknown, unknown
+  with pytest.raises(ValueError, match="captions='long'"):
+    next(synthetic.generate(4, 1, 32, seed=0, captions="long"))
+  bad = ml_collections.ConfigDict(dict(name="docci", manual_dir="/x", on_bad_example="error", captions="short"))
+  with pytest.raises(ValueError, match="config.data.captions='short' applies to the built-in synthetic data only"):
+    builders.check_data_config(bad)
+
+
 def _word_diff(a, b):
   wa, wb = a.split(), b.split()
   return sum(x != y for x, y in zip(wa, wb)) + abs(len(wa) - len(wb))

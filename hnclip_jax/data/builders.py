@@ -19,6 +19,7 @@ class SyntheticConfig(tfds.core.BuilderConfig):
   group_size: int = 4
   image_size: int = 64
   seed: int = 0
+  captions: str = "dense"
 
 
 class HnclipSynthetic(tfds.core.GeneratorBasedBuilder):
@@ -47,14 +48,18 @@ class HnclipSynthetic(tfds.core.GeneratorBasedBuilder):
 
   def _generate_examples(self, n, seed):
     c = self.builder_config
-    for image_id, png, cap, group in synthetic.generate(n, c.group_size, c.image_size, seed):
+    for image_id, png, cap, group in synthetic.generate(n, c.group_size, c.image_size, seed, c.captions):
       yield image_id, {"image": png, "caption": cap, "image_id": image_id, "group_id": group}
 
 
 def _synthetic_config(d) -> SyntheticConfig:
+  captions = d.get("captions", "dense")
+  if captions not in synthetic.CAPTION_STYLES:
+    raise ValueError(f"config.data.captions={captions!r}; choose one of {list(synthetic.CAPTION_STYLES)}")
   name = f"tr{d.num_train}_te{d.num_test}_g{d.group_size}_px{d.image_size}_s{d.seed}"
+  name += "" if captions == "dense" else f"_{captions}"  # dense keeps the names of existing builds
   return SyntheticConfig(name=name, num_train=d.num_train, num_test=d.num_test, group_size=d.group_size,
-                         image_size=d.image_size, seed=d.seed)
+                         image_size=d.image_size, seed=d.seed, captions=captions)
 
 
 def _manual_config(d) -> manual.ManualConfig:
@@ -89,6 +94,12 @@ def check_data_config(data_config) -> None:
     raise ValueError(f"config.data.name={data_config.name!r} is not a known dataset; known: {sorted(DATASETS)}")
   if data_config.on_bad_example not in ("error", "skip"):
     raise ValueError(f"config.data.on_bad_example={data_config.on_bad_example!r}; choose 'error' or 'skip'")
+  captions = data_config.get("captions", "dense")
+  if captions not in synthetic.CAPTION_STYLES:
+    raise ValueError(f"config.data.captions={captions!r}; choose one of {list(synthetic.CAPTION_STYLES)}")
+  if captions != "dense" and data_config.name != "synthetic":
+    raise ValueError(f"config.data.captions={captions!r} applies to the built-in synthetic data only; "
+                     f"config.data.name={data_config.name!r} has its own captions: drop the setting")
   tfds_name, _, manual_needed = DATASETS[data_config.name]
   if manual_needed:
     how = tfds.builder_cls(tfds_name).MANUAL_DOWNLOAD_INSTRUCTIONS

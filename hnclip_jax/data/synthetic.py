@@ -4,6 +4,11 @@ Each scene has 3-4 objects (colour, shape, size, grid cell). Scenes come in
 groups of `group_size`: one base scene and variants that change one or two
 attributes, so their captions differ in one or two words out of 40+. This is
 the near-twin-caption situation HN-CLIP targets. Pure NumPy + PIL.
+
+`captions="short"` writes web alt-text instead (`short_caption`): one or two salient objects in one of several
+phrasings, a few words, no full inventory. With `group_size=1` this is a pre-training set of independent scenes,
+so that a model pre-trained on it and fine-tuned on the dense set is in the paper's regime (CLIP pre-trained on
+short web captions, fine-tuned on dense ones; docs/replication.md).
 """
 from __future__ import annotations
 
@@ -67,6 +72,27 @@ def caption(scene) -> str:
   return " ".join(parts)
 
 
+CAPTION_STYLES = ("dense", "short")
+# Alt-text phrasings; {a} and {b} are objects ("a red circle", sometimes with the size), {n} the object count,
+# {cell} where {a} is. Over a corpus they use every word of the dense captions, so a tokenizer fitted on short
+# captions covers the dense ones (as CLIP's BPE covers any English caption).
+SHORT_TEMPLATES = (
+    "{a}", "{a} and {b}", "picture of {a}", "{a} on a plain gray background", "simple shapes: {a} and {b}",
+    "{a} in the {cell}", "this shows {a}", "flat shapes drawn on gray: {a}", "there is {a} in this scene",
+    "{n} shapes clearly separated, including {a}", "{a}; nothing else appears", "all shapes are flat, {a} and {b}")
+
+
+def short_caption(scene, rng) -> str:
+  """Web alt-text for `scene`: a few words naming one or two salient objects (large ones first)."""
+  order = sorted(scene, key=lambda o: (o.size != "large", float(rng.random())))
+
+  def obj(o):
+    return f"a {o.size} {o.color} {o.shape}" if rng.random() < 0.3 else f"a {o.color} {o.shape}"
+
+  template = SHORT_TEMPLATES[int(rng.integers(len(SHORT_TEMPLATES)))]
+  return template.format(a=obj(order[0]), b=obj(order[1]), n=NUMBER_WORDS[len(scene)], cell=CELLS[order[0].cell])
+
+
 def render(scene, image_size, rng) -> np.ndarray:
   """Draws the scene: uint8 [image_size, image_size, 3]. `rng` jitters positions and adds mild noise."""
   scale = 4  # draw large, then downsample: anti-aliased edges
@@ -93,12 +119,16 @@ def render(scene, image_size, rng) -> np.ndarray:
   return np.clip(arr, 0, 255).astype(np.uint8)
 
 
-def generate(num_examples: int, group_size: int, image_size: int, seed: int):
-  """Yields (image_id, png_bytes, caption, group_id) for `num_examples` scenes, deterministic in `seed`."""
+def generate(num_examples: int, group_size: int, image_size: int, seed: int, captions: str = "dense"):
+  """Yields (image_id, png_bytes, caption, group_id) for `num_examples` scenes, deterministic in `seed`; captions
+  "dense" (`caption`) or "short" (`short_caption`)."""
   if num_examples <= 0 or group_size <= 0 or image_size <= 0:
     raise ValueError(f"synthetic data sizes must be positive, got num_examples={num_examples}, "
                      f"group_size={group_size}, image_size={image_size}")
+  if captions not in CAPTION_STYLES:
+    raise ValueError(f"synthetic captions={captions!r}; choose one of {list(CAPTION_STYLES)}")
   rng = np.random.default_rng(seed)
+  text_rng = np.random.default_rng([seed, 1])  # short captions only; the scenes do not depend on the style
   seen = set()
   count, group = 0, 0
   while count < num_examples:
@@ -121,6 +151,6 @@ def generate(num_examples: int, group_size: int, image_size: int, seed: int):
         break
       buf = io.BytesIO()
       Image.fromarray(render(scene, image_size, rng)).save(buf, format="PNG")
-      yield count, buf.getvalue(), caption(scene), group
+      yield count, buf.getvalue(), caption(scene) if captions == "dense" else short_caption(scene, text_rng), group
       count += 1
     group += 1

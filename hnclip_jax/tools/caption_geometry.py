@@ -72,6 +72,8 @@ def main(argv):
     raise ValueError("no model to encode with: pass --init_from (a converted/HF checkpoint, an OpenAI .pt or a "
                      "train.py workdir) or set config.init_from")
   model = pretrained.load(source_path)
+  if config.model.text_context > model.config.text_context:  # as train.py would start from it (Long-CLIP stretch)
+    model = model.with_text_context(config.model.text_context)
   captions = pipeline.read_captions(builders.data_source(config.data, f.split, decode_images=False))
   if len(captions) < 2:
     raise ValueError(f"{config.data.name}/{f.split} has {len(captions)} caption(s); need at least 2")
@@ -116,6 +118,7 @@ def main(argv):
   plt.close(fig)
 
   summary = {"dataset": config.data.name, "split": f.split, "model": model.source, "num_captions": len(captions),
+             "text_context": model.config.text_context,
              "mean_pairwise_similarity": mean_pair, "mean_hardest_negative_similarity": float(hardest.mean()),
              "batch_size": batch_n, "batch_G_offdiag_mean": float(np.nanmean(g)),
              "batch_G_offdiag_max": float(np.nanmax(g)),
