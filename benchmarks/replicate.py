@@ -1,14 +1,21 @@
-"""Small-scale replication of the paper's claims on the built-in near-duplicate data (docs/replication.md).
+"""Small-scale replication of the paper's claims on the built-in synthetic data (docs/replication.md).
 
-  python benchmarks/replicate.py --out /tmp/hnclip_replication            # full: ~35 min on 2 CPU cores
+  python benchmarks/replicate.py --out /tmp/hnclip_replication            # two-stage regime (default)
   python benchmarks/replicate.py --out /tmp/r --quick                     # seconds-scale smoke run (the tests)
+  python benchmarks/replicate.py --out /tmp/r0 --regime dense_start       # the first design (docs: "before")
 
-1. Pre-train a tiny CLIP with plain InfoNCE (γ = 0): the "pre-trained initialisation".
-2. Fine-tune from it with each γ and seed, same budget, saturation telemetry on every logged step and the
-   HN-vs-InfoNCE parameter-gradient comparison every `--compare_every` steps.
-3. Data efficiency: γ = 0.5 on 20% of the training set vs γ = 0 on 100%.
+1. Pre-train a tiny CLIP with plain InfoNCE (γ = 0): the "pre-trained initialisation". `two_stage` (default):
+   on short alt-text captions of independent scenes, 32 text positions (configs/two_stage.py:pretrain), as CLIP
+   was pre-trained on short web captions; `dense_start`: on the dense near-duplicate set itself (configs/demo.py).
+2. Caption geometry of the dense test captions under the pre-trained text encoder (tools/caption_geometry,
+   before any fine-tuning; again after fine-tuning with γ 0 and 0.5, seed 0).
+3. Fine-tune from it on the dense set with each γ and seed, same budget, saturation telemetry on every logged
+   step and the HN-vs-InfoNCE parameter-gradient comparison every few steps.
+4. Data efficiency: γ = 0.5 on 20% of the training set vs γ = 0 on 100%. Optionally (--token_weights,
+   --methods) the token term and LoRA/DoRA, γ 0 and 0.5.
 Writes results.json, table.md, recall_vs_gamma.png and saturation.png to --out. Every number comes from the runs'
-metrics.jsonl files, so the table can be regenerated from a finished --out with --report_only.
+metrics.jsonl and geometry summary.json files, so the report can be regenerated from a finished --out with
+--report_only. Finished runs are skipped when the command is run again.
 """
 import argparse
 import json
@@ -63,10 +70,32 @@ def per_epoch(workdir, steps_per_epoch, key, pred):
   return {e: float(np.mean(v)) for e, v in sorted(out.items())}
 
 
+def per_epoch_mean(workdir, steps_per_epoch, key):
+  """Mean of row[key] over the logged steps of each epoch."""
+  out = {}
+  for r in rows(workdir):
+    if key in r:
+      out.setdefault((r["step"] - 1) // steps_per_epoch + 1, []).append(float(r[key]))
+  return {e: float(np.mean(v)) for e, v in sorted(out.items())}
+
+
+def geometry(config, model, out_dir, data_dir):
+  """tools/caption_geometry on the dense test captions with `model` (skipped when its summary exists)."""
+  if os.path.exists(os.path.join(out_dir, "summary.json")):
+    return
+  cmd = [sys.executable, "-m", "hnclip_jax.tools.caption_geometry", "--config", config, "--init_from", model,
+         "--out", out_dir] + ([f"--config.data.data_dir={data_dir}"] if data_dir else [])
+  with open(out_dir + ".log", "w") as f:
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+  if proc.returncode != 0:
+    raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}; see {out_dir}.log")
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--out", required=True)
   p.add_argument("--quick", action="store_true")
+  p.add_argument("--regime", default="two_stage", choices=("two_stage", "dense_start"))
   p.add_argument("--report_only", action="store_true")
   p.add_argument("--gammas", default="0,0.25,0.5,1.0")
   p.add_argument("--seeds", default="0,1,2")
@@ -81,11 +110,18 @@ def main():
   os.makedirs(out, exist_ok=True)
   gammas = [float(g) for g in a.gammas.split(",")]
   seeds = [int(s) for s in a.seeds.split(",")]
-  variant = "configs/demo.py:test" if a.quick else "configs/demo.py"
-  pre_steps, ft_steps, log_every = (4, 4, 1) if a.quick else (300, 100, 5)
+  test = ",test" if a.quick else ""
+  if a.regime == "two_stage":
+    pre_variant, variant = f"configs/two_stage.py:pretrain{test}", f"configs/two_stage.py:finetune{test}"
+    pre_steps = 4 if a.quick else 600
+  else:
+    pre_variant = variant = "configs/demo.py:test" if a.quick else "configs/demo.py"
+    pre_steps = 4 if a.quick else 300
+  ft_steps, log_every = (4, 1) if a.quick else (100, 5)
   num_train, batch = (128, 16) if a.quick else (4096, 128)
-  common = ["--config", variant, "--config.log_every=%d" % log_every, "--config.eval_every=100000",
-            "--config.checkpoint_every=100000"] + ([f"--config.data.data_dir={a.data_dir}"] if a.data_dir else [])
+  shared = ["--config.log_every=%d" % log_every, "--config.eval_every=100000", "--config.checkpoint_every=100000"] \
+      + ([f"--config.data.data_dir={a.data_dir}"] if a.data_dir else [])
+  common = ["--config", variant, *shared]
   pre = os.path.join(out, "pretrain")
   ft_args = ["--config.optimizer.lr=2e-4", "--config.optimizer.warmup_steps=0", f"--config.total_steps={ft_steps}",
              f"--config.init_from={pre}", f"--config.diagnostics.every={2 if a.quick else 25}"]
@@ -100,8 +136,9 @@ def main():
   if not a.report_only:
     if not os.path.exists(os.path.join(pre, workdir.MODEL_JSON)) or not rows(pre)[-1:] or \
         rows(pre)[-1]["step"] < pre_steps:
-      run([*common, "--workdir", pre, "--config.loss.gamma=0", f"--config.total_steps={pre_steps}"],
-          os.path.join(out, "pretrain.log"))
+      run(["--config", pre_variant, *shared, "--workdir", pre, "--config.loss.gamma=0",
+           f"--config.total_steps={pre_steps}", f"--config.eval_every={pre_steps}"], os.path.join(out, "pretrain.log"))
+    geometry(variant, pre, os.path.join(out, "geometry_pretrained"), a.data_dir)
     for (g, s), w in runs.items():
       if finished(w, ft_steps):
         continue
@@ -120,11 +157,17 @@ def main():
     if not finished(small, ft_steps):
       run([*common, *ft_args, "--workdir", small, "--config.loss.gamma=0.5", "--config.seed=0",
            f"--config.data.num_train={num_train // 5}"], small + ".log")
+    for g in (0.0, 0.5):
+      if (g, seeds[0]) in runs:
+        geometry(variant, runs[(g, seeds[0])], os.path.join(out, f"geometry_finetuned_gamma{g}"), a.data_dir)
 
   steps_per_epoch = max(1, num_train // batch)
   results = {"pretrain": final_recall(pre), "by_gamma": {}, "saturation": {}, "setup": {
-      "pretrain_steps": pre_steps, "finetune_steps": ft_steps, "batch": batch, "num_train": num_train,
-      "seeds": seeds, "gammas": gammas, "config": variant}}
+      "regime": a.regime, "pretrain_steps": pre_steps, "finetune_steps": ft_steps, "batch": batch,
+      "num_train": num_train, "seeds": seeds, "gammas": gammas, "pretrain_config": pre_variant, "config": variant}}
+  results["geometry"] = {name: json.load(open(os.path.join(out, name, "summary.json")))
+                         for name in ["geometry_pretrained"] + [f"geometry_finetuned_gamma{g}" for g in (0.0, 0.5)]
+                         if os.path.exists(os.path.join(out, name, "summary.json"))}
   for g in gammas:
     results["by_gamma"][str(g)] = mean_std([runs[(g, s)] for s in seeds])
   results["token_term"] = {}
@@ -142,6 +185,8 @@ def main():
     name = "hn" if g else "infonce"
     results["saturation"][str(g)] = {
         "batch_loss_below_1e-3": per_epoch(w, steps_per_epoch, f"diag/{name}/loss", lambda v: v < 1e-3),
+        # share of logged examples whose own loss is below 1e-3 (the paper's Fig. 4 "examples" curve)
+        "examples_below_1e-3": per_epoch_mean(w, steps_per_epoch, f"diag/{name}/saturated_frac"),
         # share of logged batches with more than half of their examples below 1e-3 (not a share of examples)
         "batches_majority_saturated": per_epoch(w, steps_per_epoch, f"diag/{name}/saturated_frac",
                                                 lambda v: v > 0.5),
@@ -201,7 +246,8 @@ def main():
     m = [results["by_gamma"][str(g)][f"{d}/R@1"][0] for g in gs]
     sd = [results["by_gamma"][str(g)][f"{d}/R@1"][1] for g in gs]
     ax.errorbar(gs, m, yerr=sd, marker="o", capsize=3, label=f"{d} R@1")
-  ax.set(xlabel="γ", ylabel="R@1 (%)", title="fine-tuned from InfoNCE pre-training")
+  ax.set(xlabel="γ", ylabel="R@1 (%)", title="fine-tuned from short-caption pre-training" if a.regime == "two_stage"
+         else "fine-tuned from InfoNCE pre-training")
   ax.legend()
   fig.tight_layout()
   fig.savefig(os.path.join(out, "recall_vs_gamma.png"), dpi=120)

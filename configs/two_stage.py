@@ -21,8 +21,12 @@ VARIANTS = ("pretrain", "finetune")
 
 
 def get_config(variant: str = "finetune"):
-  if variant not in VARIANTS:
-    raise ValueError(f"configs/two_stage.py has variants {list(VARIANTS)}, got {variant!r}")
+  """variant: "pretrain" or "finetune", optionally with ",test" (the smallest sizes; used by the tests)."""
+  stage, *mods = variant.split(",")
+  if stage not in VARIANTS or mods not in ([], ["test"]):
+    raise ValueError(f"configs/two_stage.py has variants {list(VARIANTS)}, each optionally with ',test'; "
+                     f"got {variant!r}")
+  variant = stage
   c = base_config()
   c.model = model_config("tiny", vocab_size=0, eot_token_id=-1)
   c.batch_size = 128
@@ -41,4 +45,11 @@ def get_config(variant: str = "finetune"):
     c.checkpoint_every = c.eval_every = 50
     c.optimizer.lr, c.optimizer.warmup_steps = 2e-4, 0
     c.loss.gamma = 0.5
+  if mods:  # seconds-scale: configs/demo.py:test's model and sizes
+    c.model.update(dict(embed_dim=32, image_size=32, vision_width=32, vision_layers=1, vision_heads=2,
+                        vision_mlp_dim=64, text_width=32, text_layers=1, text_heads=2, text_mlp_dim=64))
+    c.data.num_train, c.data.num_test, c.data.image_size = 128, 40, 32
+    c.batch_size = c.eval_batch_size = 16
+    c.total_steps, c.log_every, c.checkpoint_every, c.eval_every = 4, 1, 4, 4
+    c.optimizer.warmup_steps = min(c.optimizer.warmup_steps, 1)
   return c

@@ -79,12 +79,25 @@ def replication(tmp_path_factory, tfds_dir):
 def test_replicate_quick_writes_its_outputs(replication):
   res = json.load(open(replication / "results.json"))
   assert set(res["by_gamma"]) == {"0.0", "0.5"} and set(res["saturation"]) == {"0.0", "0.5"}
+  # Two stages: short-caption pre-training at 32 text positions, dense fine-tuning at 68 (Long-CLIP's stretch);
+  # the dense captions' geometry is measured before fine-tuning and after it, and results.json carries it.
+  assert res["setup"]["regime"] == "two_stage"
+  pre_model = json.load(open(replication / "pretrain" / "model.json"))
+  ft_model = json.load(open(replication / "ft_gamma0.5_seed0" / "model.json"))
+  assert pre_model["text_context"] == 32 and ft_model["text_context"] == 68
+  assert set(res["geometry"]) == {"geometry_pretrained", "geometry_finetuned_gamma0.0", "geometry_finetuned_gamma0.5"}
+  for name, g in res["geometry"].items():
+    assert g == json.load(open(replication / name / "summary.json")) and g["text_context"] == 68
+
   assert all(len(v) == 2 for v in res["by_gamma"]["0.5"].values())  # mean, std
   for name in ("table.md", "recall_vs_gamma.png", "saturation.png"):
     assert os.path.getsize(replication / name) > 0
   rows = [json.loads(line) for line in open(replication / "ft_gamma0.5_seed0" / "metrics.jsonl")]
   logged = [r for r in rows if "diag/hn/saturated_frac" in r]
   assert len(logged) == 4 and all("diag/G_offdiag_mean" in r for r in logged)
+  # Fig. 4's example share: per epoch (8 steps of 16 out of 128 here, so one), the mean of the logged shares.
+  assert res["saturation"]["0.5"]["examples_below_1e-3"] == {
+      "1": pytest.approx(float(np.mean([r["diag/hn/saturated_frac"] for r in logged])))}
   # results.json carries every telemetry number the docs quote, equal to what the run logged.
   tel = res["saturation"]["0.5"]["telemetry"]
   assert tel["logged_batches"] == 4
@@ -101,11 +114,26 @@ def test_replicate_quick_writes_its_outputs(replication):
 
 def test_caption_geometry_report(replication, tmp_path, tfds_dir):
   out = tmp_path / "geometry"
-  run_py(["-m", "hnclip_jax.tools.caption_geometry", "--config", "configs/demo.py:test",
+  run_py(["-m", "hnclip_jax.tools.caption_geometry", "--config", "configs/two_stage.py:finetune,test",
           f"--config.data.data_dir={tfds_dir}", "--init_from", str(replication / "pretrain"), "--split", "test",
           "--out", str(out)])
   summary = json.load(open(out / "summary.json"))
   assert summary["num_captions"] == 40 and summary["batch_size"] == 16
+  # Against NumPy on the same encoder (stretched to the fine-tuning context, as train.py would start from it):
+  # the exact mean over all pairs (the tool's comes from 0.01-wide histogram bins) and the hardest negatives.
+  from hnclip_jax import pretrained
+  from hnclip_jax.data import builders, pipeline
+  import ml_collections
+  data = ml_collections.ConfigDict(dict(name="synthetic", data_dir=tfds_dir, train_split="train", eval_split="test",
+                                        manual_dir="", on_bad_example="error", num_train=128, num_test=40,
+                                        group_size=4, image_size=32, seed=0, captions="dense"))
+  caps = pipeline.read_captions(builders.data_source(data, "test", decode_images=False))
+  emb = pretrained.load(str(replication / "pretrain")).with_text_context(68).encode_texts(caps).astype(np.float64)
+  sims = emb @ emb.T
+  off = sims[~np.eye(len(caps), dtype=bool)]
+  assert summary["mean_pairwise_similarity"] == pytest.approx(off.mean(), abs=0.006)
+  np.fill_diagonal(sims, -np.inf)
+  assert summary["mean_hardest_negative_similarity"] == pytest.approx(sims.max(1).mean(), abs=1e-4)
   assert -1 <= summary["mean_pairwise_similarity"] <= summary["mean_hardest_negative_similarity"] <= 1
   assert sum(summary["batch_negative_share_by_similarity"].values()) == pytest.approx(1.0)
   for name in ("pairwise_similarity.png", "hardest_negative.png", "batch_G.png"):
