@@ -136,7 +136,11 @@ def column_norm(w):
 class DoRALinear(nnx.LoRALinear):
   """DoRA (Liu et al., 2024): the kernel split into a magnitude m [out] and a direction V = W + (alpha / r) A B,
   recombined as m * V / ||V||_c in every forward pass (column norms recomputed, gradients through them), so the
-  low-rank update moves the direction and m the length. m starts at ||W||_c (set by adapters.add_adapters)."""
+  low-rank update moves the direction and m the length. m starts at ||W||_c (set by adapters.add_adapters).
+
+  Computed as y = (m / ||V||_c) * (x W + (alpha / r) (x A) B) + b, which equals x (m * V / ||V||_c) + b: the
+  batch only meets W, A and B, so a frozen W gets no [in, out] weight-gradient matmul over the batch (only the
+  norms' gradient, which does not grow with the batch)."""
 
   def __init__(self, in_features, out_features, *, scale: float, dropout: float = 0.0, **kwargs):
     super().__init__(in_features, out_features, **kwargs)
@@ -145,17 +149,20 @@ class DoRALinear(nnx.LoRALinear):
 
   def __call__(self, x, rng=None):
     w0 = self.kernel[...].astype(jnp.float32)
-    delta = self.scale * (self.lora.lora_a[...] @ self.lora.lora_b[...])
-    ratio = self.magnitude[...] / column_norm(w0 + delta)  # m / ||V||_c
+    a, b_lora = self.lora.lora_a[...], self.lora.lora_b[...]
+    ratio = self.magnitude[...] / column_norm(w0 + self.scale * (a @ b_lora))  # m / ||V||_c, [out]
     dt = self.dtype or x.dtype
-    b = self.bias[...].astype(dt) if self.bias is not None else 0
+    x = x.astype(dt)
+    bias = self.bias[...].astype(dt) if self.bias is not None else 0
+    base = x @ w0.astype(dt)
     if rng is None or not self.dropout:
-      return x.astype(dt) @ ((w0 + delta) * ratio).astype(dt) + b
+      low_rank = (x @ a.astype(dt)) @ b_lora.astype(dt)
+      return (ratio * (base + self.scale * low_rank)).astype(dt) + bias
     # With dropout on the adapter path (as PEFT does for DoRA): the base term sees x, the DoRA update x_d:
-    # x W + b + (m/||V|| - 1) x_d W + (m/||V||) x_d ΔW, which is the formula above when x_d = x.
+    # x W + b + (m/||V|| - 1) x_d W + (m/||V||) (alpha/r) x_d A B, the formula above when x_d = x.
     xd = adapter_dropout(x, self.dropout, rng).astype(dt)
-    return (x.astype(dt) @ w0.astype(dt) + b + xd @ (w0 * (ratio - 1)).astype(dt)
-            + xd @ (delta * ratio).astype(dt))
+    low_rank = (xd @ a.astype(dt)) @ b_lora.astype(dt)
+    return (base + (ratio - 1) * (xd @ w0.astype(dt)) + ratio * self.scale * low_rank).astype(dt) + bias
 
 
 def _apply(layer, x, rng):
