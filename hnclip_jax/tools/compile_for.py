@@ -174,9 +174,10 @@ def _array_bytes(type_str: str) -> int:
              for dt, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", type_str))
 
 
-def collective_stats(hlo: str) -> dict:
-  """{kind: {"count", "bytes"}} of the collectives in optimised HLO text, per executed step: an op inside a loop
-  body counts once per iteration (XLA's known_trip_count), nested loops multiply."""
+def _computations(hlo: str):
+  """Optimised HLO text -> ({computation: [instruction lines]}, times(computation) -> executions per step): an
+  instruction inside a loop body runs once per iteration (XLA's known_trip_count), nested loops multiply, fused and
+  called computations run as often as their caller."""
   comps, current, entry = {}, None, None
   for line in hlo.splitlines():
     head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
@@ -210,6 +211,79 @@ def collective_stats(hlo: str) -> dict:
     memo[name] = sum(times(caller, seen + (name,)) * f for caller, f in calls.get(name, []) if caller not in seen)
     return memo[name]
 
+  return comps, times
+
+
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?\s*[a-z]+\d*\[([\d,]*)\]")
+
+
+def _dims(text: str) -> list:
+  return [int(d) for d in text.split(",") if d]
+
+
+def matmul_flops(hlo: str) -> float:
+  """FLOPs of the matmuls in optimised (per-device) HLO text per executed step: 2 x output elements x contracted
+  size, each counted once per execution (loop bodies x their trip counts). Matmuls are `dot`s, the convolutions
+  TPU programs turn them into, and GPU library calls (cuBLAS custom-calls with a gemm config). XLA's cost analysis counts a loop body once, which
+  under-counts gradient accumulation by the number of micro-batches; element-wise work is left out here (a few
+  percent of a transformer's FLOPs)."""
+  comps, times = _computations(hlo)
+  shapes = {}  # instruction / parameter name -> its (first) array's dims
+  for lines in comps.values():
+    for line in lines:
+      m = _DEF.match(line)
+      if m:
+        shapes[m.group(1)] = _dims(m.group(2))
+  total = 0.0
+  for name, lines in comps.items():
+    n = times(name)
+    if not n:
+      continue
+    for line in lines:
+      m = _DEF.match(line)
+      if not m:
+        continue
+      if re.search(r"\sdot\(", line):
+        args = line.split(" dot(", 1)[1]
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+      elif re.search(r"\sconvolution\(", line):  # TPU: dots become convolutions (dim_labels e.g. bf_io->bf)
+        labels = re.search(r"dim_labels=([\w]+)_([\w]+)->", line)
+        args = line.split(" convolution(", 1)[1]
+        names = re.findall(r"%([\w.\-]+)", args.split(")", 1)[0])
+        lhs = shapes.get(names[0]) if names else None
+        if not labels or lhs is None:
+          continue
+        groups = re.search(r"feature_group_count=(\d+)", line)
+        k = lhs[labels.group(1).index("f")] // (int(groups.group(1)) if groups else 1)
+        # Window positions that meet a real input element: size / lhs_dilate per spatial dim (batched matmuls are
+        # written as convolutions whose "spatial" dims are batch dims, window = dilation, so they contribute 1).
+        window = re.search(r"window=\{([^}]*)\}", line)
+        if window:
+          size = [int(x) for x in re.search(r"size=([\dx]+)", window.group(1)).group(1).split("x")]
+          dil = re.search(r"lhs_dilate=([\dx]+)", window.group(1))
+          dil = [int(x) for x in dil.group(1).split("x")] if dil else [1] * len(size)
+          k *= math.prod(-(-a // b) for a, b in zip(size, dil))
+        total += n * 2.0 * math.prod(shapes[m.group(1)]) * k
+        continue
+      elif "custom-call(" in line and '"gemm_backend_config"' in line:
+        args = line.split("custom-call(", 1)[1]
+        found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', line)
+        contracting = found and re.match(r"(.*)", found.group(1).replace('"', ""))
+      else:
+        continue
+      inline = re.match(r"\s*[a-z]+\d*\[([\d,]*)\]", args)  # operand types printed inline (TPU)
+      lhs = _dims(inline.group(1)) if inline else shapes.get(re.match(r"\s*%([\w.\-]+)", args).group(1))
+      if lhs is None or contracting is None:
+        continue
+      k = math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i.strip())
+      total += n * 2.0 * math.prod(shapes[m.group(1)]) * k
+  return total
+
+
+def collective_stats(hlo: str) -> dict:
+  """{kind: {"count", "bytes"}} of the collectives in optimised HLO text, per executed step: an op inside a loop
+  body counts once per iteration (XLA's known_trip_count), nested loops multiply."""
+  comps, times = _computations(hlo)
   stats = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
   pattern = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$")
   for name, lines in comps.items():
@@ -252,10 +326,15 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   if cost:  # TPU: the partitioned program's FLOPs per device
-    flops, flops_source = float(cost.get("flops", float("nan"))), "compiled program per device"
+    xla_flops, flops_source = float(cost.get("flops", float("nan"))), "compiled program per device"
   else:  # GPU without a device: the whole program's FLOPs split evenly
-    flops, flops_source = global_flops(lowered) / len(devices), "whole program / devices"
-  coll = collective_stats(compiled.as_text())
+    xla_flops, flops_source = global_flops(lowered) / len(devices), "whole program / devices"
+  hlo = compiled.as_text()
+  # XLA's cost analysis counts a loop body once (gradient accumulation's micro-batches, remat scans); the dots of
+  # the optimised program weighted by trip counts do not. The step's FLOPs: the larger of the two.
+  mm_flops = matmul_flops(hlo)
+  flops = max(xla_flops, mm_flops) if xla_flops == xla_flops else mm_flops
+  coll = collective_stats(hlo)
   arg, out, alias, temp = (int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp"))
   chips = chip_count(topology)
   per_chip = len(devices) / chips  # JAX devices per chip
@@ -270,7 +349,7 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
             "token_weight": config.loss.token_weight, "model": dataclasses.asdict(model_cfg),
             "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
             "total_bytes": total, "hbm_bytes": int(hbm), "fits": total <= hbm, "flops_per_chip": flops,
-            "flops_source": flops_source, "collectives": coll, "collective_bytes": coll_bytes, "est_step_s": est,
+            "xla_flops_per_chip": xla_flops, "matmul_flops_per_chip": mm_flops, "flops_source": flops_source, "collectives": coll, "collective_bytes": coll_bytes, "est_step_s": est,
             "compile_s": compile_s,
             "jax": jax.__version__}
   return (report, compiled) if return_compiled else report
