@@ -209,7 +209,11 @@ def main():
         **{f"{k}_median": float(np.median([r[k] for r in logged if k in r])) for k in
            (f"diag/{name}/loss", "diag/G_offdiag_mean", "diag/G_offdiag_max", "diag/hardest_negative_sim")
            if any(k in r for r in logged)},
-        "last_logged_loss": float(logged[-1][f"diag/{name}/loss"]) if logged else None}
+        "last_logged_loss": float(logged[-1][f"diag/{name}/loss"]) if logged else None,
+        "first_logged": {k: float(logged[0][k]) for k in ("step", f"diag/{name}/loss", "diag/G_offdiag_mean",
+                                                           "diag/hardest_negative_sim") if logged and k in logged[0]},
+        "last_logged": {k: float(logged[-1][k]) for k in ("step", "diag/G_offdiag_mean", "diag/hardest_negative_sim")
+                        if logged and k in logged[-1]}}
   results["data_efficiency"] = {"gamma0.5_20pct": final_recall(small),
                                 "gamma0_100pct": results["by_gamma"].get("0.0")}
   with open(os.path.join(out, "results.json"), "w") as f:

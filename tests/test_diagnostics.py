@@ -103,6 +103,8 @@ def test_replicate_quick_writes_its_outputs(replication):
   assert tel["logged_batches"] == 4
   assert tel["diag/G_offdiag_mean_median"] == pytest.approx(float(np.median([r["diag/G_offdiag_mean"] for r in logged])))
   assert tel["last_logged_loss"] == logged[-1]["diag/hn/loss"]
+  assert tel["first_logged"] == {k: pytest.approx(float(logged[0][k])) for k in
+                                 ("step", "diag/hn/loss", "diag/G_offdiag_mean", "diag/hardest_negative_sim")}
   compared = [r for r in rows if "diag/grad_cosine" in r]
   assert [r["step"] for r in compared] == [2, 4]
   lo, hi = res["saturation"]["0.5"]["grad_cosine_range"]
