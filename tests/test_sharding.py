@@ -10,7 +10,7 @@ from conftest import run_py
 
 @pytest.fixture(scope="module")
 def checks():
-  proc = run_py(["tests/sharded_checks.py"], devices=8)
+  proc = run_py(["tests/sharded_checks.py"], devices=8, timeout=1500)  # ~4 min alone, ~10 with other load
   return json.loads(proc.stdout.split("RESULT ", 1)[1])
 
 
