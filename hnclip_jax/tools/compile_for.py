@@ -214,6 +214,14 @@ def _computations(hlo: str):
   return comps, times
 
 
+def _executed(hlo: str):
+  """(instruction line, executions per step) for every instruction of a computation the step runs, and all the
+  module's lines (for name lookups)."""
+  comps, times = _computations(hlo)
+  runs = [(line, n) for name, lines in comps.items() for n in [times(name)] if n for line in lines]
+  return runs, [line for lines in comps.values() for line in lines]
+
+
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?\s*[a-z]+\d*\[([\d,]*)\]")
 
 
@@ -221,61 +229,53 @@ def _dims(text: str) -> list:
   return [int(d) for d in text.split(",") if d]
 
 
+def _contracted_size(line: str, shapes: dict):
+  """Contracted elements per output element of a matmul instruction (dot, TPU dot-convolution, cuBLAS call);
+  None for anything else."""
+  if re.search(r"\sdot\(", line):
+    args, dims = line.split(" dot(", 1)[1], re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+  elif "custom-call(" in line and '"gemm_backend_config"' in line:
+    args, dims = line.split("custom-call(", 1)[1], re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', line)
+  elif re.search(r"\sconvolution\(", line):
+    args, dims = line.split(" convolution(", 1)[1], None
+  else:
+    return None
+  inline = re.match(r"\s*[a-z]+\d*\[([\d,]*)\]", args)  # operand types printed inline (TPU)
+  lhs = _dims(inline.group(1)) if inline else shapes.get(re.match(r"\s*%?([\w.\-]+)", args).group(1))
+  if lhs is None:
+    return None
+  if dims is not None:
+    return math.prod(lhs[int(i)] for i in dims.group(1).replace('"', "").split(",") if i.strip())
+  # A convolution (dim_labels e.g. bf_io->bf): the lhs feature size per group, times the window positions that
+  # meet a real input element, size / lhs_dilate per spatial dim (batched matmuls are written as convolutions
+  # whose "spatial" dims are batch dims with window = dilation, so they contribute 1).
+  labels = re.search(r"dim_labels=(\w+)_\w+->", line)
+  if not labels:
+    return None
+  groups = re.search(r"feature_group_count=(\d+)", line)
+  k = lhs[labels.group(1).index("f")] // (int(groups.group(1)) if groups else 1)
+  window = re.search(r"window=\{([^}]*)\}", line)
+  if window:
+    size = [int(x) for x in re.search(r"size=([\dx]+)", window.group(1)).group(1).split("x")]
+    dil = re.search(r"lhs_dilate=([\dx]+)", window.group(1))
+    dil = [int(x) for x in dil.group(1).split("x")] if dil else [1] * len(size)
+    k *= math.prod(-(-a // b) for a, b in zip(size, dil))
+  return k
+
+
 def matmul_flops(hlo: str) -> float:
   """FLOPs of the matmuls in optimised (per-device) HLO text per executed step: 2 x output elements x contracted
   size, each counted once per execution (loop bodies x their trip counts). Matmuls are `dot`s, the convolutions
-  TPU programs turn them into, and GPU library calls (cuBLAS custom-calls with a gemm config). XLA's cost analysis counts a loop body once, which
-  under-counts gradient accumulation by the number of micro-batches; element-wise work is left out here (a few
-  percent of a transformer's FLOPs)."""
-  comps, times = _computations(hlo)
-  shapes = {}  # instruction / parameter name -> its (first) array's dims
-  for lines in comps.values():
-    for line in lines:
-      m = _DEF.match(line)
-      if m:
-        shapes[m.group(1)] = _dims(m.group(2))
+  TPU programs turn them into, and GPU library calls (cuBLAS custom-calls with a gemm config). XLA's cost
+  analysis counts a loop body once, which under-counts gradient accumulation by the number of micro-batches;
+  element-wise work is left out here (a few percent of a transformer's FLOPs)."""
+  runs, every_line = _executed(hlo)
+  shapes = {m.group(1): _dims(m.group(2)) for m in map(_DEF.match, every_line) if m}  # name -> first array's dims
   total = 0.0
-  for name, lines in comps.items():
-    n = times(name)
-    if not n:
-      continue
-    for line in lines:
-      m = _DEF.match(line)
-      if not m:
-        continue
-      if re.search(r"\sdot\(", line):
-        args = line.split(" dot(", 1)[1]
-        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-      elif re.search(r"\sconvolution\(", line):  # TPU: dots become convolutions (dim_labels e.g. bf_io->bf)
-        labels = re.search(r"dim_labels=([\w]+)_([\w]+)->", line)
-        args = line.split(" convolution(", 1)[1]
-        names = re.findall(r"%([\w.\-]+)", args.split(")", 1)[0])
-        lhs = shapes.get(names[0]) if names else None
-        if not labels or lhs is None:
-          continue
-        groups = re.search(r"feature_group_count=(\d+)", line)
-        k = lhs[labels.group(1).index("f")] // (int(groups.group(1)) if groups else 1)
-        # Window positions that meet a real input element: size / lhs_dilate per spatial dim (batched matmuls are
-        # written as convolutions whose "spatial" dims are batch dims, window = dilation, so they contribute 1).
-        window = re.search(r"window=\{([^}]*)\}", line)
-        if window:
-          size = [int(x) for x in re.search(r"size=([\dx]+)", window.group(1)).group(1).split("x")]
-          dil = re.search(r"lhs_dilate=([\dx]+)", window.group(1))
-          dil = [int(x) for x in dil.group(1).split("x")] if dil else [1] * len(size)
-          k *= math.prod(-(-a // b) for a, b in zip(size, dil))
-        total += n * 2.0 * math.prod(shapes[m.group(1)]) * k
-        continue
-      elif "custom-call(" in line and '"gemm_backend_config"' in line:
-        args = line.split("custom-call(", 1)[1]
-        found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', line)
-        contracting = found and re.match(r"(.*)", found.group(1).replace('"', ""))
-      else:
-        continue
-      inline = re.match(r"\s*[a-z]+\d*\[([\d,]*)\]", args)  # operand types printed inline (TPU)
-      lhs = _dims(inline.group(1)) if inline else shapes.get(re.match(r"\s*%([\w.\-]+)", args).group(1))
-      if lhs is None or contracting is None:
-        continue
-      k = math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i.strip())
+  for line, n in runs:
+    m = _DEF.match(line)
+    k = _contracted_size(line, shapes) if m else None
+    if k:
       total += n * 2.0 * math.prod(shapes[m.group(1)]) * k
   return total
 
@@ -283,23 +283,18 @@ def matmul_flops(hlo: str) -> float:
 def collective_stats(hlo: str) -> dict:
   """{kind: {"count", "bytes"}} of the collectives in optimised HLO text, per executed step: an op inside a loop
   body counts once per iteration (XLA's known_trip_count), nested loops multiply."""
-  comps, times = _computations(hlo)
   stats = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
   pattern = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$")
-  for name, lines in comps.items():
-    n = times(name)
-    if not n:
+  for line, n in _executed(hlo)[0]:
+    m = pattern.search(line)
+    if not m:
       continue
-    for line in lines:
-      m = pattern.search(line)
-      if not m:
-        continue
-      kind, start = m.group(2), bool(m.group(3))
-      out = _array_bytes(m.group(1))  # combined collectives return a tuple: every array counts
-      if start and kind in ("all-gather", "collective-permute"):  # their async result also holds the inputs
-        out -= _array_bytes(m.group(4).split("),", 1)[0].split("), ", 1)[0])
-      stats[kind]["count"] += n
-      stats[kind]["bytes"] += n * max(out, 0)
+    kind, start = m.group(2), bool(m.group(3))
+    out = _array_bytes(m.group(1))  # combined collectives return a tuple: every array counts
+    if start and kind in ("all-gather", "collective-permute"):  # their async result also holds the inputs
+      out -= _array_bytes(m.group(4).split("),", 1)[0].split("), ", 1)[0])
+    stats[kind]["count"] += n
+    stats[kind]["bytes"] += n * max(out, 0)
   return stats
 
 
