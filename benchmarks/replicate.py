@@ -108,6 +108,17 @@ def main():
   a = p.parse_args()
   out = os.path.abspath(a.out)
   os.makedirs(out, exist_ok=True)
+  # --out holds one regime and size: reusing it for another would skip "finished" runs of the wrong kind.
+  setup_file, setup = os.path.join(out, "replicate_setup.json"), {"regime": a.regime, "quick": a.quick}
+  if os.path.exists(setup_file):
+    with open(setup_file) as f:
+      before = json.load(f)
+    if before != setup:
+      raise SystemExit(f"{out} holds a replication run with {before}; this command asks for {setup}. Use another "
+                       "--out (nothing was changed).")
+  elif not a.report_only:
+    with open(setup_file, "w") as f:
+      json.dump(setup, f)
   gammas = [float(g) for g in a.gammas.split(",")]
   seeds = [int(s) for s in a.seeds.split(",")]
   test = ",test" if a.quick else ""

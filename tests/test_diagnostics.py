@@ -82,6 +82,11 @@ def test_replicate_quick_writes_its_outputs(replication):
   # Two stages: short-caption pre-training at 32 text positions, dense fine-tuning at 68 (Long-CLIP's stretch);
   # the dense captions' geometry is measured before fine-tuning and after it, and results.json carries it.
   assert res["setup"]["regime"] == "two_stage"
+  # The same --out for the other regime stops and changes nothing (it would reuse the wrong pre-training).
+  before = sorted(os.listdir(replication))
+  other = run_py(["benchmarks/replicate.py", "--quick", "--out", str(replication), "--regime", "dense_start"],
+                 check=False)
+  assert other.returncode != 0 and "'regime': 'two_stage'" in other.stderr and sorted(os.listdir(replication)) == before
   pre_model = json.load(open(replication / "pretrain" / "model.json"))
   ft_model = json.load(open(replication / "ft_gamma0.5_seed0" / "model.json"))
   assert pre_model["text_context"] == 32 and ft_model["text_context"] == 68
