@@ -24,6 +24,10 @@ config_flags.DEFINE_config_file("config", None, "Config file the run was trained
 flags.DEFINE_string("workdir", None, "The training workdir (checkpoints/ and tokenizer/).")
 flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest).")
 flags.DEFINE_string("split", None, "Split to evaluate (default: config.data.eval_split).")
+flags.DEFINE_enum("score", "cosine", ["cosine", "finelip"],
+                  "How captions and images are ranked: 'cosine' of the global embeddings (HN-CLIP, every framework), "
+                  "or 'finelip': (1 - w)·cosine + w·late interaction of FineLIP's aggregated tokens, "
+                  "w = config.finelip.score_weight (a FineLIP-trained workdir only).")
 flags.DEFINE_string("report", None, "Also write a browsable HTML report (index.html + images/) into this directory.")
 flags.DEFINE_integer("report_samples", 20, "Text->image queries sampled (seeded by config.seed) for the report.")
 flags.DEFINE_integer("report_failures", 50, "At most this many failed queries (worst first) in the report.")
@@ -78,8 +82,20 @@ def main(argv):
   img, txt, caption_image = experiment.embed_split(params, train_step.make_embed_fn(graphdef, mesh, param_sh), source,
                                                    tokenizer, model_cfg, mesh, config.eval_batch_size, captions)
   res = experiment.retrieval_result(img, txt, caption_image)
+  if FLAGS.score == "finelip":
+    if not model_cfg.aggregate_tokens:
+      raise ValueError(f"--score=finelip needs FineLIP's token aggregators, but {workdir} was trained without them "
+                       "(config.framework='finelip' adds them); use --score=cosine")
+    from hnclip_jax.evaluation.retrieval import finelip_scores, recall_from_scores
+    agg = train_step.make_aggregated_embed_fn(graphdef, mesh, param_sh, int(config.loss.token_layer))
+    img_agg, txt_agg, _ = experiment.embed_split(params, agg, source, tokenizer, model_cfg, mesh,
+                                                 config.eval_batch_size, captions)
+    w = float(config.finelip.score_weight)
+    res.update(recall_from_scores(finelip_scores(img, txt, img_agg, txt_agg, w), caption_image))
+    log(f"score: {1 - w:g}·cosine + {w:g}·late interaction of the aggregated tokens (config.finelip.score_weight)")
   out = {"step": int(step), "dataset": config.data.name, "split": split, "num_pairs": res["num_pairs"],
-         "num_images": res["num_images"], "num_captions": res["num_captions"], "t2i": res["t2i"], "i2t": res["i2t"]}
+         "num_images": res["num_images"], "num_captions": res["num_captions"], "t2i": res["t2i"], "i2t": res["i2t"],
+         "score": FLAGS.score}
   for d, name in (("t2i", "text->image"), ("i2t", "image->text")):
     log(f"{name:12s} " + "  ".join(f"{k}={v:6.2f}" for k, v in out[d].items()))
   wd.record_eval(out, {"data": dict(config.data)})

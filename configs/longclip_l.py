@@ -2,6 +2,7 @@
 
   python train.py --config configs/longclip_l.py:DATASET --config.init_from=/path/to/longclip-L.pt --workdir DIR
   python train.py --config configs/longclip_l.py:DATASET,lora ...     # or ,dora: the paper's PEFT variants
+  python train.py --config configs/longclip_l.py:DATASET,finelip ...  # a plug-in framework (docs/frameworks.md)
 
 LoRA / DoRA variants (paper): rank 16 adapters on every attention projection and MLP layer of both towers, the
 backbone frozen, lr 5e-5 (alpha = rank, i.e. scale 1: the paper does not give alpha).
@@ -21,6 +22,7 @@ TRAIN_PAIRS = {"docci": 9450, "dci": 5445, "long_dci": 5445, "urban1k": 14579, "
 
 
 METHODS = ("full", "lora", "dora")
+FRAMEWORKS = ("longclip", "finelip")
 
 
 def get_config(variant: str = "synthetic"):
@@ -28,10 +30,12 @@ def get_config(variant: str = "synthetic"):
   parts = [p for p in variant.split(",") if p]
   dataset = next((p for p in parts if p in TRAIN_PAIRS), "synthetic")
   method = next((p for p in parts if p in METHODS), "full")
-  unknown = [p for p in parts if p not in TRAIN_PAIRS and p not in METHODS]
+  framework = next((p for p in parts if p in FRAMEWORKS), "longclip")
+  unknown = [p for p in parts if p not in TRAIN_PAIRS and p not in METHODS and p not in FRAMEWORKS]
   if unknown:
     raise ValueError(f"configs/longclip_l.py: unknown variant {unknown[0]!r}; datasets: {sorted(TRAIN_PAIRS)}, "
-                     f"methods: {list(METHODS)} (e.g. ':docci,lora')")
+                     f"methods: {list(METHODS)}, frameworks: {list(FRAMEWORKS)} (e.g. ':docci,lora', "
+                     "':docci,finelip')")
   c = base_config()
   c.model = model_config("vit_l14", text_context=248)
   c.data.name = dataset
@@ -53,4 +57,18 @@ def get_config(variant: str = "synthetic"):
   if method != "full":  # the paper's parameter-efficient runs: rank 16, backbone frozen, lr 5e-5
     c.finetune.method, c.finetune.rank, c.finetune.alpha = method, 16, 16.0
     c.optimizer.lr = 5e-5
+  if framework == "finelip":
+    # FineLIP's released recipe (ffa-ti-ma/FineLIP train/arguments.py): backbone lr 1e-6, the aggregation modules
+    # 2e-4 (x200), weight decay 0.01, 200 warmup steps, 6 epochs; its hinge instead of the token term, with L_HN as
+    # the global term (config.finelip.global_weight = 1; docs/frameworks.md).
+    if method != "full":
+      raise ValueError("configs/longclip_l.py: finelip fine-tunes the whole model; it has no lora/dora variant")
+    c.framework = "finelip"
+    c.loss.token_weight = 0.0
+    c.optimizer.lr = 1e-6
+    c.optimizer.lr_multipliers = ((r"^(image|text)_aggregator/", 200.0),)
+    c.optimizer.weight_decay = 0.01
+    c.optimizer.warmup_steps = 200
+    c.total_steps = 6 * TRAIN_PAIRS[dataset] // c.batch_size
+    c.checkpoint_every = c.eval_every = max(1, c.total_steps // 6)
   return c

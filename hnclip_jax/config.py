@@ -14,6 +14,8 @@ from hnclip_jax.models.clip import PRESETS
 RUNTIME_FIELDS = ("dtype", "remat", "attention")
 # CLIPConfig fields set from config.finetune (not config.model); the dropout rate is a run setting, not architecture.
 ADAPTER_FIELDS = ("adapter", "adapter_rank", "adapter_alpha", "adapter_targets", "adapter_dropout")
+# CLIPConfig fields set from config.framework / config.finelip (FineLIP's token aggregators).
+FRAMEWORK_FIELDS = ("aggregate_tokens", "aggregate_hidden_ratio")
 MODEL_RUNTIME_FIELDS = RUNTIME_FIELDS + ("adapter_dropout",)  # not in model.json, not compared on resume
 
 
@@ -21,7 +23,8 @@ def model_config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict
   """A named architecture as a ConfigDict (fields of `CLIPConfig`); `vocab_size=0`/`eot_token_id=-1` mean: from the tokenizer."""
   if preset not in PRESETS:
     raise ValueError(f"unknown model preset {preset!r}; known: {sorted(PRESETS)}")
-  d = {k: v for k, v in dataclasses.asdict(PRESETS[preset]).items() if k not in RUNTIME_FIELDS + ADAPTER_FIELDS}
+  skip = RUNTIME_FIELDS + ADAPTER_FIELDS + FRAMEWORK_FIELDS
+  d = {k: v for k, v in dataclasses.asdict(PRESETS[preset]).items() if k not in skip}
   unknown = set(overrides) - set(d)
   if unknown:
     raise ValueError(f"unknown model field(s) {sorted(unknown)}; known: {sorted(d)}")
@@ -84,6 +87,21 @@ def base_config() -> ml_collections.ConfigDict:
   # else frozen). dropout: on the adapter branch's input in training (a key per step from config.seed; none in eval).
   c.finetune = ml_collections.ConfigDict({"method": "full", "rank": 16, "alpha": 16.0, "dropout": 0.0,
                                           "targets": (r"attn/(q|k|v|out)$", r"fc1$", r"fc2$"), "freeze": ()})
+  # framework: which fine-tuning framework's objective (docs/frameworks.md). "longclip": the global term L_HN (+ the
+  # token term if config.loss.token_weight > 0) on the whole model, as Long-CLIP fine-tunes. "finelip": FineLIP's
+  # token aggregation modules and late-interaction hinge (config.finelip), with L_HN as its global term.
+  c.framework = "longclip"
+  # FineLIP (Asokan et al. 2025), defaults = the authors' released settings. tokens: K aggregated tokens per tower
+  # (39 = int(196 patches × 0.4 × 0.5)); hidden_ratio: the aggregation MLP's width / embed_dim; weight, margin:
+  # the hinge's weight and margin; reduction: "sum" over every violating pair (the authors) or "mean" (÷ batch);
+  # ramp_steps: the hinge's weight ramps linearly from 0 over these steps (-1: one epoch of the training split, the
+  # authors' ramp; 0: none); hn_margin: also add γ·Ḡ to the hinge's negatives; global_weight: weight of L_HN (the
+  # released FineLIP code has none: 0; the paper's swap adds it: 1); score_weight: eval.py --score=finelip ranks by
+  # (1 − w)·cosine + w·late interaction (the authors: 0.2). The aggregators' learning rate is set with
+  # config.optimizer.lr_multipliers (configs/longclip_l.py:finelip: backbone 1e-6, aggregators 2e-4).
+  c.finelip = ml_collections.ConfigDict({"tokens": 39, "hidden_ratio": 0.2, "weight": 1.0, "margin": 0.2,
+                                         "reduction": "sum", "ramp_steps": -1, "hn_margin": False,
+                                         "global_weight": 1.0, "score_weight": 0.2})
   c.model = model_config("tiny", vocab_size=0, eot_token_id=-1)
   c.data = ml_collections.ConfigDict({
       # name: synthetic | docci | dci | long_dci | urban1k | coco | flickr30k | pairs.
@@ -104,7 +122,9 @@ POSITIVE = ("batch_size", "grad_accum_steps", "total_steps", "log_every", "check
             "eval_batch_size", "data.num_train", "data.num_test", "data.group_size", "data.image_size",
             "optimizer.lr")
 NON_NEGATIVE = ("workers", "loss.chunk_size", "diagnostics.every", "optimizer.weight_decay", "optimizer.warmup_steps",
-                "loss.gamma", "loss.token_weight", "loss.token_logit_scale")
+                "loss.gamma", "loss.token_weight", "loss.token_logit_scale", "finelip.weight", "finelip.margin",
+                "finelip.global_weight", "finelip.score_weight")
+FRAMEWORKS = ("longclip", "finelip")
 
 
 def flatten(cfg, prefix="") -> dict:
@@ -120,6 +140,28 @@ def flatten(cfg, prefix="") -> dict:
 
 
 FINETUNE_METHODS = {"full": "none", "lora": "lora", "dora": "dora"}
+
+
+def framework_fields(config) -> dict:
+  """config.framework (+ config.finelip) -> the model's architecture fields it implies (FineLIP's aggregators)."""
+  fw = config.get("framework", "longclip")
+  if fw not in FRAMEWORKS:
+    planned = " ('goal' and 'structxlip' are not implemented yet)" if fw in ("goal", "structxlip") else ""
+    raise ValueError(f"config.framework={fw!r}; choose one of {list(FRAMEWORKS)}{planned}")
+  if fw != "finelip":
+    return {"aggregate_tokens": 0}
+  f = config.finelip
+  if int(f.tokens) < 1:
+    raise ValueError(f"config.finelip.tokens={f.tokens} must be >= 1 (the aggregated tokens per tower)")
+  if not 0 < float(f.hidden_ratio):
+    raise ValueError(f"config.finelip.hidden_ratio={f.hidden_ratio} must be positive")
+  if f.reduction not in ("sum", "mean"):
+    raise ValueError(f"config.finelip.reduction={f.reduction!r}; choose 'sum' (FineLIP) or 'mean'")
+  if int(f.ramp_steps) < -1:
+    raise ValueError(f"config.finelip.ramp_steps={f.ramp_steps}; use -1 (one epoch), 0 (no ramp) or a step count")
+  if not 0 <= float(f.score_weight) <= 1:
+    raise ValueError(f"config.finelip.score_weight={f.score_weight} must be in [0, 1]")
+  return {"aggregate_tokens": int(f.tokens), "aggregate_hidden_ratio": float(f.hidden_ratio)}
 
 
 def adapter_fields(config) -> dict:
@@ -163,6 +205,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   dataclasses.replace(PRESETS["tiny"], token_projection=config.model.token_projection,
                       **{k: config[k] for k in RUNTIME_FIELDS}).validate()
   adapter_fields(config)  # config.finetune.* checked here too
+  framework_fields(config)  # config.framework and config.finelip.* too
   if config.on_nonfinite not in ("error", "skip"):
     raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; choose 'error' or 'skip'")
   axes = [config.mesh[a] for a in ("data", "fsdp", "tensor")]

@@ -16,7 +16,7 @@ from hnclip_jax.checkpoint import IncompatibleCheckpoint
 from hnclip_jax.data import builders, pipeline
 from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.evaluation import recall_at_k
-from hnclip_jax.config import RUNTIME_FIELDS, adapter_fields
+from hnclip_jax.config import FRAMEWORK_FIELDS, RUNTIME_FIELDS, adapter_fields, framework_fields
 from hnclip_jax.models import CLIPConfig, adapters
 from hnclip_jax.workdir import DATA_LOCATION_KEYS, Workdir, check_model_compatible, config_changes
 
@@ -129,7 +129,8 @@ def resolve_model(config, wd: Workdir, *, training: bool):
     if training:  # the adapters are the workdir's (eval and pretrained.load need not repeat config.finetune)
       check_adapters(cfg, config, wd.model_json)
     if not config.init_from:
-      expected = dataclasses.replace(model_config(config, tok), **{k: getattr(cfg, k) for k in ADAPTER_KEYS})
+      kept = list(ADAPTER_KEYS) + ([] if training else list(FRAMEWORK_FIELDS))  # eval need not repeat the framework
+      expected = dataclasses.replace(model_config(config, tok), **{k: getattr(cfg, k) for k in kept})
       check_model_compatible(dataclasses.asdict(cfg), expected, wd.model_json)
     return runtime(cfg, config), tok, None
   if not training:
@@ -145,7 +146,8 @@ def resolve_model(config, wd: Workdir, *, training: bool):
       raise FileNotFoundError(f"config.init_from={config.init_from} has no tokenizer files next to the weights "
                               "(vocab.json + merges.txt, tokenizer.json or bpe_simple_vocab_16e6.txt.gz)")
     cfg, tok, params = runtime(pre.config, config), pre.tokenizer, pre.params
-    cfg = dataclasses.replace(cfg, **adapter_fields(config)).validate()
+    cfg = dataclasses.replace(cfg, **adapter_fields(config), **framework_fields(config)).validate()
+    params = with_aggregators(params, cfg, config.seed, config.init_from)
     if cfg.adapter != "none":
       params = adapters.add_adapters(params, cfg, config.seed)
   else:
@@ -192,7 +194,38 @@ def model_config(config, tokenizer) -> CLIPConfig:
   if d["vocab_size"] < tokenizer.vocab_size:
     raise ValueError(f"config.model.vocab_size={d['vocab_size']} is smaller than the tokenizer's "
                      f"vocabulary ({tokenizer.vocab_size}); set it to 0 to take the tokenizer's size")
-  return runtime(CLIPConfig.from_dict({**d, **adapter_fields(config)}), config)
+  return runtime(CLIPConfig.from_dict({**d, **adapter_fields(config), **framework_fields(config)}), config)
+
+
+def resolve_epoch_settings(config, num_train: int):
+  """Settings given in epochs of the training split (-1 = one epoch) as steps: config.finelip.ramp_steps."""
+  if config.get("framework") != "finelip" or int(config.finelip.ramp_steps) != -1:
+    return config
+  config = copy.deepcopy(config)
+  with config.unlocked():
+    config.finelip.ramp_steps = max(num_train // config.batch_size, 1)
+  return config
+
+
+def with_aggregators(params: dict, cfg: CLIPConfig, seed: int, source: str) -> dict:
+  """Weights for `cfg` from weights that may lack FineLIP's aggregators (pre-trained CLIP: fresh ones are added) or
+  have them when `cfg` does not (a FineLIP workdir as a Long-CLIP start: they are left out, the towers kept)."""
+  from hnclip_jax.models.clip import AGGREGATORS, init_aggregators
+  if not cfg.aggregate_tokens:
+    return {k: v for k, v in params.items() if k not in AGGREGATORS}
+  params = dict(params)
+  fresh = init_aggregators(cfg, seed)
+  for name, tree in fresh.items():
+    if name not in params:
+      params[name] = tree
+      continue
+    have = jax.tree.map(np.shape, params[name])
+    want = jax.tree.map(np.shape, tree)
+    if have != want:
+      raise ValueError(f"config.init_from={source} has FineLIP aggregators of other shapes ({name}: {have} vs "
+                       f"{want} for config.finelip.tokens={cfg.aggregate_tokens}, hidden_ratio="
+                       f"{cfg.aggregate_hidden_ratio}); use its settings, or set them to match")
+  return params
 
 
 ADAPTER_KEYS = {"adapter": "method", "adapter_rank": "rank", "adapter_alpha": "alpha", "adapter_targets": "targets"}
@@ -221,14 +254,14 @@ def truncation_report(config, tokenizer) -> str:
 
 
 def _embed_rows(params, fn, batches, mesh, name: str, n: int) -> np.ndarray:
-  """Runs `fn` over padded per-process batches; returns [n, E] on every process, in row order."""
+  """Runs `fn` over padded per-process batches; returns [n, ...] on every process, in row order."""
   embs, rows = [], []
   for batch in batches:
     g = sharding.to_global({name: batch[name]}, mesh)
     embs.append(multihost_utils.process_allgather(fn(params, g[name]), tiled=True))
     rows.append(multihost_utils.process_allgather(np.where(batch["mask"], batch["index"], -1), tiled=True))
   emb, row = np.concatenate(embs), np.concatenate(rows)
-  out = np.zeros((n, emb.shape[1]), emb.dtype)
+  out = np.zeros((n, *emb.shape[1:]), emb.dtype)
   out[row[row >= 0]] = emb[row >= 0]
   return out
 

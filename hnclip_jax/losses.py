@@ -1,4 +1,4 @@
-"""The math of the objective's terms: HN-CLIP (paper Eq. 2) and the FILIP token term (Eq. 3).
+"""The math of the objective's terms: HN-CLIP (paper Eq. 2), the FILIP token term (Eq. 3) and FineLIP's hinge.
 
 Everything here is a pure function of L2-normalised features, written for a *block of rows* of the global batch
 against the whole batch: the single-device losses below call the row functions with all rows, and the mesh
@@ -89,6 +89,29 @@ def token_scores(img_r, txt_c, mask_c):
   return i2t, t2i
 
 
+def pairwise_rows(pair, rows, cols, block: int, cols_to_rows=lambda x: x):
+  """Scores of a block of rows of the global batch against the whole batch, `block` × `block` pairs at a time.
+
+  pair(rows_r, *cols_c) -> (score_a [r, c], score_b [r, c]): two scores of r row items against c column items.
+  rows: [n, ...] this block's items; cols: a tuple of [B, ...] arrays, every item of the batch.
+  Returns (a [n, B]: rows of A, b [n, B]: rows of B^T, i.e. `cols_to_rows` applied to the [B, n] columns of B) —
+  `cols_to_rows` is a transpose on one device and an all-to-all on a mesh. Each [block, block] tile is
+  rematerialised in the backward pass, so at most one tile's intermediates are alive (never [n, B, ...])."""
+  n, batch = rows.shape[0], cols[0].shape[0]
+  rb, cb = divisor_at_most(n, block), divisor_at_most(batch, block)
+  tile = lambda x, k: x.reshape(x.shape[0] // k, k, *x.shape[1:])
+  tiled_cols = tuple(tile(c, cb) for c in cols)  # [B/cb, cb, ...]
+  pair = jax.checkpoint(pair)
+
+  @jax.checkpoint
+  def row_block(rows_r):  # [rb, ...] -> ([rb, B], [rb, B])
+    _, (a, b) = jax.lax.scan(lambda c, col: (c, pair(rows_r, *col)), None, tiled_cols)
+    return tuple(x.transpose(1, 0, 2).reshape(rb, batch) for x in (a, b))
+
+  _, (a, b_cols) = jax.lax.scan(lambda c, x: (c, row_block(x)), None, tile(rows, rb))
+  return a.reshape(n, batch), cols_to_rows(b_cols.reshape(n, batch).T)
+
+
 def token_rows(img_tok_rows, txt_tok_all, mask_all, logit_scale, row_offset, block: int = TOKEN_BLOCK, margin=None,
                cols_to_rows=lambda x: x):
   """Per-example losses of the token term (paper Eq. 3, FILIP) for a block of rows of the global batch.
@@ -105,23 +128,44 @@ def token_rows(img_tok_rows, txt_tok_all, mask_all, logit_scale, row_offset, blo
   Returns (i2t [n], t2i [n]) fp32 cross-entropies of s·scores with the diagonal as target.
   """
   n, batch = img_tok_rows.shape[0], txt_tok_all.shape[0]
-  rb, cb = divisor_at_most(n, block), divisor_at_most(batch, block)
-  tile = lambda x, k: x.reshape(x.shape[0] // k, k, *x.shape[1:])
-  cols = (tile(txt_tok_all, cb), tile(mask_all, cb))  # [B/cb, cb, ...]
-  pair = jax.checkpoint(token_scores)
-
-  @jax.checkpoint
-  def row_block(img_r):  # [rb, P, E] -> ([rb, B], [rb, B])
-    _, (i2t, t2i) = jax.lax.scan(lambda c, col: (c, pair(img_r, *col)), None, cols)
-    return tuple(x.transpose(1, 0, 2).reshape(rb, batch) for x in (i2t, t2i))
-
-  _, (i2t, t2i_cols) = jax.lax.scan(lambda c, x: (c, row_block(x)), None, tile(img_tok_rows, rb))
-  i2t = i2t.reshape(n, batch)  # rows of S^I
-  t2i = cols_to_rows(t2i_cols.reshape(n, batch).T)  # [B, n] columns of S^T -> [n, B] rows of S^T
+  i2t, t2i = pairwise_rows(token_scores, img_tok_rows, (txt_tok_all, mask_all), block, cols_to_rows)
   is_pos = _positives(n, batch, row_offset)
   extra = 0.0 if margin is None else _margin(margin[1], margin[2], margin[0], is_pos)
   scale = logit_scale.astype(F32)
   return _cross_entropy(scale * (i2t + extra), is_pos), _cross_entropy(scale * (t2i + extra), is_pos)
+
+
+# FineLIP (Asokan et al. 2025): late interaction on aggregated tokens, and a hinge over all in-batch negatives.
+LEAKY_SLOPE = 0.1
+
+
+def late_interaction(img_r, txt_c, slope: float = LEAKY_SLOPE):
+  """FineLIP's score of r images against c captions: img_r [r, Ti, E], txt_c [c, Tt, E], L2-normalised per token.
+
+  For each pair the token similarities pass through LeakyReLU(slope); the text side is, per caption token, the max
+  over image tokens averaged over caption tokens, the image side the max over caption tokens averaged over image
+  tokens; the score is their sum (in [-2·slope, 2]). Returns [r, c] fp32 (the same score twice, for
+  `pairwise_rows`)."""
+  s = jax.nn.leaky_relu(sims(img_r, txt_c, "ape,bqe->abpq"), slope)  # [r, c, Ti, Tt]
+  score = jnp.mean(jnp.max(s, axis=2), axis=2) + jnp.mean(jnp.max(s, axis=3), axis=2)
+  return score, score
+
+
+def hinge_rows(img_agg_rows, txt_agg_all, row_offset, margin: float = 0.2, block: int = TOKEN_BLOCK,
+               hn_margin=None, cols_to_rows=lambda x: x):
+  """Per-example FineLIP hinge for a block of rows: img_agg_rows [n, Ti, E] (rows `row_offset ..`), txt_agg_all
+  [B, Tt, E]. With S the late-interaction scores (`late_interaction`):
+    i2t[a] = Σ_{b≠a} max(0, margin + S[a, b] − S[a, a])     (image a against every other caption)
+    t2i[a] = Σ_{b≠a} max(0, margin + S[b, a] − S[a, a])     (caption a against every other image)
+  hn_margin: None, or (gamma, txt_emb_rows [n, D], txt_emb_all [B, D]): add HN-CLIP's γ·Ḡ to the negatives' scores.
+  Returns (i2t [n], t2i [n]) fp32."""
+  n, batch = img_agg_rows.shape[0], txt_agg_all.shape[0]
+  rows, cols_t = pairwise_rows(late_interaction, img_agg_rows, (txt_agg_all,), block, cols_to_rows)  # S, S^T rows
+  is_pos = _positives(n, batch, row_offset)
+  extra = 0.0 if hn_margin is None else _margin(hn_margin[1], hn_margin[2], hn_margin[0], is_pos)
+  diag = jnp.sum(jnp.where(is_pos, rows, 0.0), axis=1, keepdims=True)  # S[a, a]
+  cost = lambda s: jnp.sum(jnp.where(is_pos, 0.0, jax.nn.relu(margin + s + extra - diag)), axis=1)
+  return cost(rows), cost(cols_t)
 
 
 def hn_clip_loss(img_emb, txt_emb, logit_scale, gamma):

@@ -5,7 +5,12 @@ global-batch accumulation path, the saturation telemetry and the HN-vs-InfoNCE g
 the model's outputs dict (`CLIP.__call__`: "img", "txt", "scale" and, when a term asks, "img_tokens",
 "txt_tokens", "txt_mask").
 
-    L = L_HN(γ) + λ·L_tok                                     (paper Eq. 2 and 3; λ = config.loss.token_weight)
+    L = w_g·L_HN(γ) + λ·L_tok + w_f·ramp(step)·L_FineLIP     (paper Eq. 2 and 3; λ = config.loss.token_weight)
+
+w_g = 1 and w_f = 0 except in config.framework="finelip" (docs/frameworks.md): there L_FineLIP is FineLIP's hinge
+over late-interaction scores of aggregated tokens, w_f = config.finelip.weight, ramped linearly from 0 over
+config.finelip.ramp_steps, and w_g = config.finelip.global_weight (FineLIP's released code has no global term; the
+paper's swap adds L_HN).
 
 On a mesh every device all-gathers what its terms need, builds only its own rows of each B×B score matrix against
 the whole batch (the math is in `hnclip_jax.losses`), and the per-device sums are reduced with psum; the gather's
@@ -41,19 +46,37 @@ class Objective:
   token_image_cls: bool = False  # include the image CLS token among the patches
   token_logit_scale: float = 0.0  # 0: the model's learned s; > 0: this fixed multiplier for the token logits
   token_margin: bool = False  # also add γ·Ḡ to the token logits
+  global_weight: float = 1.0  # w_g: weight of L_HN
+  finelip_weight: float = 0.0  # w_f: FineLIP's hinge on aggregated tokens (0: off; the model needs aggregators)
+  finelip_margin: float = 0.2  # the hinge's margin
+  finelip_reduction: str = "sum"  # "sum" over every violating pair (FineLIP) | "mean": divided by the batch size
+  finelip_ramp_steps: int = 0  # w_f ramps linearly from 0 to 1 over these steps (0: no ramp)
+  finelip_hn_margin: bool = False  # also add γ·Ḡ to the hinge's negatives
   batch_axes: tuple = sharding.BATCH_AXES
 
   @classmethod
-  def from_config(cls, loss_cfg) -> "Objective":
-    return cls(gamma=float(loss_cfg.gamma), token_weight=float(loss_cfg.token_weight),
-               chunk_size=int(loss_cfg.chunk_size), token_layer=int(loss_cfg.token_layer),
-               token_image_cls=bool(loss_cfg.token_image_cls), token_logit_scale=float(loss_cfg.token_logit_scale),
-               token_margin=bool(loss_cfg.token_margin))
+  def from_config(cls, loss_cfg, config=None) -> "Objective":
+    """From config.loss; with the whole `config`, also the framework's terms (config.framework, config.finelip)."""
+    obj = cls(gamma=float(loss_cfg.gamma), token_weight=float(loss_cfg.token_weight),
+              chunk_size=int(loss_cfg.chunk_size), token_layer=int(loss_cfg.token_layer),
+              token_image_cls=bool(loss_cfg.token_image_cls), token_logit_scale=float(loss_cfg.token_logit_scale),
+              token_margin=bool(loss_cfg.token_margin))
+    if config is not None and config.get("framework", "longclip") == "finelip":
+      f = config.finelip
+      obj = obj.replace(global_weight=float(f.global_weight), finelip_weight=float(f.weight),
+                        finelip_margin=float(f.margin), finelip_reduction=str(f.reduction),
+                        finelip_ramp_steps=max(int(f.ramp_steps), 0), finelip_hn_margin=bool(f.hn_margin))
+    return obj
 
   def check(self, model_cfg) -> None:
     """Raises naming the config key if this objective cannot run on `model_cfg` (before anything compiles)."""
     layers = min(model_cfg.vision_layers, model_cfg.text_layers)
-    if self.needs_tokens and not -layers <= self.token_layer < layers:
+    if self.needs_aggregates and not model_cfg.aggregate_tokens:
+      raise ValueError("config.framework='finelip' needs the model's token aggregators, but this model has none "
+                       "(config.finelip.tokens=0?)")
+    if self.finelip_reduction not in ("sum", "mean"):
+      raise ValueError(f"config.finelip.reduction={self.finelip_reduction!r}; choose 'sum' (FineLIP) or 'mean'")
+    if (self.needs_tokens or self.needs_aggregates) and not -layers <= self.token_layer < layers:
       raise ValueError(f"config.loss.token_layer={self.token_layer} is outside the towers' blocks (the model has "
                        f"{model_cfg.vision_layers} vision and {model_cfg.text_layers} text blocks); use -1 for the "
                        f"last block or an index in [-{layers}, {layers})")
@@ -66,31 +89,51 @@ class Objective:
     return self.token_weight > 0
 
   @property
+  def needs_aggregates(self) -> bool:
+    return self.finelip_weight > 0
+
+  @property
   def term_names(self) -> tuple:
-    return ("hn", "tok") if self.needs_tokens else ("hn",)
+    return ("hn",) + (("tok",) if self.needs_tokens else ()) + (("fine",) if self.needs_aggregates else ())
 
   @property
   def model_kwargs(self) -> dict:
     """Keyword arguments of `CLIP.__call__` that produce the outputs this objective reads."""
-    if not self.needs_tokens:
-      return {}
-    return {"token_layer": self.token_layer, "image_cls_token": self.token_image_cls}
+    kw = {}
+    if self.needs_tokens or self.needs_aggregates:
+      kw.update(token_layer=self.token_layer, image_cls_token=self.token_image_cls)
+    if self.needs_aggregates:
+      kw["aggregate"] = True
+    return kw
 
   def forward(self, model, images, tokens, rng=None) -> dict:
     """The model's outputs dict for a batch (images [B, H, W, 3], tokens [B, L]); rng: adapter dropout key."""
-    return model(images, tokens, dropout_rng=rng, **self.model_kwargs)
+    out = model(images, tokens, dropout_rng=rng, **self.model_kwargs)
+    if not self.needs_tokens:  # the aggregates were made from them; the loss does not read them
+      out = {k: v for k, v in out.items() if k not in ("img_tokens", "txt_tokens", "txt_mask")}
+    return out
 
-  def __call__(self, outputs: dict, mesh):
-    """outputs: the model's outputs dict, [B, ...] leaves sharded over the batch axes of `mesh`.
+  def ramp(self, step):
+    """w_f's ramp at `step` (None: 1, the full weight)."""
+    if step is None or not self.finelip_ramp_steps:
+      return jnp.float32(1.0)
+    return jnp.minimum(jnp.asarray(step, jnp.float32) / self.finelip_ramp_steps, 1.0)
 
-    Returns (loss scalar, aux) with aux = {"terms": {"hn": L_HN, "tok": L_tok (when on)}, "per_example": [B] each
-    example's loss (½(i2t + t2i) of every term, weighted)}. Value and gradients equal the single-device ones.
+  def __call__(self, outputs: dict, mesh, step=None):
+    """outputs: the model's outputs dict, [B, ...] leaves sharded over the batch axes of `mesh`; step: the train
+    step (for FineLIP's ramp; None = fully ramped).
+
+    Returns (loss scalar, aux) with aux = {"terms": {"hn": L_HN, "tok": L_tok, "fine": L_FineLIP (when on)},
+    "per_example": [B] each example's loss (½(i2t + t2i) of the contrastive terms, i2t + t2i of the hinge,
+    weighted)}. Value and gradients equal the single-device ones.
     """
     axes = tuple(self.batch_axes)
     batch = outputs["img"].shape[0]
     specs = {k: P() if k in GLOBAL_OUTPUTS else P(axes) for k in outputs}
 
-    def local(out):
+    ramp = self.ramp(step) if self.needs_aggregates else None
+
+    def local(out, ramp):
       n = out["img"].shape[0]
       offset = jax.lax.axis_index(axes) * n
       gather = lambda x: jax.lax.all_gather(x, axes, axis=0, tiled=True)  # [n, ...] -> [B, ...]
@@ -98,8 +141,8 @@ class Objective:
       img_all, txt_all = gather(out["img"]), gather(out["txt"])
       i2t, t2i = self._global_rows(out["img"], out["txt"], img_all, txt_all, scale, offset)
       terms = {"hn": jax.lax.psum(jnp.sum(i2t) + jnp.sum(t2i), axes) / (2 * batch)}
-      per = 0.5 * (i2t + t2i)
-      loss = terms["hn"]
+      per = self.global_weight * 0.5 * (i2t + t2i)
+      loss = self.global_weight * terms["hn"]
       if self.needs_tokens:
         tok_scale = scale if self.token_logit_scale == 0 else jnp.asarray(self.token_logit_scale, jnp.float32)
         margin = (self.gamma, out["txt"], txt_all) if self.token_margin and losses.has_margin(self.gamma) else None
@@ -111,12 +154,24 @@ class Objective:
         terms["tok"] = jax.lax.psum(jnp.sum(ti2t) + jnp.sum(tt2i), axes) / (2 * batch)
         per = per + self.token_weight * 0.5 * (ti2t + tt2i)
         loss = loss + self.token_weight * terms["tok"]
+      if self.needs_aggregates:
+        margin = (self.gamma, out["txt"], txt_all) if self.finelip_hn_margin and losses.has_margin(self.gamma) else None
+        fi2t, ft2i = losses.hinge_rows(
+            out["img_agg"], gather(out["txt_agg"]), offset, self.finelip_margin,
+            block=self.chunk_size or losses.TOKEN_BLOCK, hn_margin=margin,
+            cols_to_rows=lambda x: jax.lax.all_to_all(x, axes, 0, 1, tiled=True))
+        norm = batch if self.finelip_reduction == "mean" else 1
+        terms["fine"] = jax.lax.psum(jnp.sum(fi2t) + jnp.sum(ft2i), axes) / norm
+        weight = self.finelip_weight * ramp
+        per = per + weight * (fi2t + ft2i) / norm
+        loss = loss + weight * terms["fine"]
       return loss, {"terms": terms, "per_example": per}
 
     out_specs = (P(), {"terms": {k: P() for k in self.term_names},
                        "per_example": P(axes)})
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=out_specs)
-    return fn({k: (jnp.asarray(v, jnp.float32) if k in GLOBAL_OUTPUTS else v) for k, v in outputs.items()})
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=out_specs)
+    return fn({k: (jnp.asarray(v, jnp.float32) if k in GLOBAL_OUTPUTS else v) for k, v in outputs.items()},
+              jnp.float32(1.0) if ramp is None else ramp)
 
   def _global_rows(self, img, txt, img_all, txt_all, scale, offset):
     """L_HN's per-example (i2t [n], t2i [n]) for this device's rows, `chunk_size` rows at a time if set."""

@@ -22,6 +22,8 @@ DEFAULT_RULES = "embed=fsdp,heads=tensor,mlp=tensor,vocab=tensor"
 # (regex on the "/"-joined parameter path, logical axis per dimension); first match wins.
 # "norm" and None are never sharded (small vectors are not worth a collective).
 LOGICAL_AXES = (
+    # FineLIP's token aggregators (models/clip.py TokenAggregation): ~0.1M parameters at ViT-L, replicated.
+    (r"^(image|text)_aggregator/", "replicated"),
     # LoRA / DoRA adapters (models/adapters.py): A [in, r] and B [r, out] split like the kernel they adapt.
     (r"attn/(q|k|v)/lora/lora_a$", ("embed", None)),
     (r"attn/(q|k|v)/lora/lora_b$", (None, "heads")),

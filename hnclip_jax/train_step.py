@@ -255,13 +255,13 @@ def make_loss_of_outputs(mesh, objective: Objective, accum_steps: int = 1, negat
   if negatives not in NEGATIVES:
     raise ValueError(f"config.loss.negatives={negatives!r}; choose one of {NEGATIVES}")
   if accum_steps == 1 or negatives == "global_batch":
-    return lambda floats, masks: objective({**floats, **masks}, mesh)
+    return lambda floats, masks, step=None: objective({**floats, **masks}, mesh, step)
   split, merge = _micro_batching(mesh, accum_steps)
 
-  def loss(floats, masks):
+  def loss(floats, masks, step=None):
     outs = {k: v if k in GLOBAL_OUTPUTS else split(v) for k, v in {**floats, **masks}.items()}
     glob = {k: outs.pop(k) for k in GLOBAL_OUTPUTS if k in outs}
-    values, aux = jax.lax.map(lambda o: objective({**o, **glob}, mesh), outs)
+    values, aux = jax.lax.map(lambda o: objective({**o, **glob}, mesh, step), outs)
     return jnp.mean(values), {"terms": jax.tree.map(jnp.mean, aux["terms"]), "per_example": merge(aux["per_example"])}
 
   return loss
@@ -269,8 +269,9 @@ def make_loss_of_outputs(mesh, objective: Objective, accum_steps: int = 1, negat
 
 def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, negatives: str = "micro_batch",
                  frozen=None):
-  """(params, batch) -> ((loss, terms), grads). batch: image f32 [B,H,W,3], tokens int32 [B,L], sharded over the
-  batch axes; terms: the objective's per-term losses.
+  """(params, batch, rng=None, step=None) -> ((loss, terms), grads). batch: image f32 [B,H,W,3], tokens int32
+  [B,L], sharded over the batch axes; terms: the objective's per-term losses; step: the train step (for terms with
+  a schedule, e.g. FineLIP's ramp; None: their full weight).
 
   accum_steps > 1 splits the batch into micro-batches inside the step:
   - negatives="micro_batch": each micro-batch is its own contrastive batch (its own Ḡ); losses/grads averaged.
@@ -282,22 +283,22 @@ def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, neg
   """
   forward = make_forward(graphdef, objective, frozen)
 
-  def loss_fn(params, images, tokens, rng=None):
-    loss, aux = objective(forward(params, images, tokens, rng), mesh)
+  def loss_fn(params, images, tokens, rng=None, step=None):
+    loss, aux = objective(forward(params, images, tokens, rng), mesh, step)
     return loss, aux["terms"]
 
   if accum_steps == 1:
-    return lambda params, batch, rng=None: jax.value_and_grad(loss_fn, has_aux=True)(
-        params, batch["image"], batch["tokens"], _fold(rng, 0))
+    return lambda params, batch, rng=None, step=None: jax.value_and_grad(loss_fn, has_aux=True)(
+        params, batch["image"], batch["tokens"], _fold(rng, 0), step)
   if negatives not in NEGATIVES:
     raise ValueError(f"config.loss.negatives={negatives!r}; choose one of {NEGATIVES}")
   split, _ = _micro_batching(mesh, accum_steps)
 
-  def micro_batch_negatives(params, batch, rng=None):
+  def micro_batch_negatives(params, batch, rng=None, step=None):
     def body(acc, mb):
       k, img, tok = mb
       return jax.tree.map(jnp.add, acc, jax.value_and_grad(loss_fn, has_aux=True)(params, img, tok,
-                                                                                  _fold(rng, k))), None
+                                                                                  _fold(rng, k), step)), None
 
     zeros = ((jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in objective.term_names}),
              jax.tree.map(jnp.zeros_like, params))
@@ -307,9 +308,9 @@ def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, neg
   outputs_fn = make_outputs_fn(graphdef, mesh, objective, accum_steps, frozen)
   loss_of_outputs = make_loss_of_outputs(mesh, objective)
 
-  def global_batch_negatives(params, batch, rng=None):
+  def global_batch_negatives(params, batch, rng=None, step=None):
     floats, masks = partition_outputs(outputs_fn(params, batch, rng))
-    (loss, aux), g_out = jax.value_and_grad(loss_of_outputs, has_aux=True)(floats, masks)
+    (loss, aux), g_out = jax.value_and_grad(loss_of_outputs, has_aux=True)(floats, masks, step)
     # Each micro-batch's cotangent: its rows of the per-example outputs' gradients; the scale's whole gradient
     # goes to micro-batch 0 (the scale is one parameter, computed again in every micro-batch).
     def body(acc, xs):
@@ -332,7 +333,7 @@ def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings, froze
   frozen: path -> bool (`frozen_predicate`); those parameters enter the loss through stop_gradient inside the
   differentiated function, so no weight gradient is computed for them (LoRA's saving) and grad_norm is that of the
   trained parameters."""
-  objective = Objective.from_config(config.loss)
+  objective = Objective.from_config(config.loss, config)
   grad_fn = make_grad_fn(graphdef, mesh, objective, config.grad_accum_steps, config.loss.negatives, frozen)
   clamp = config.optimizer.train_logit_scale and not (frozen is not None and frozen(SCALE_PARAM))
   # Adapter dropout: a key per step (and per micro-batch inside it), a pure function of config.seed and the step, so
@@ -343,7 +344,7 @@ def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings, froze
   def step(state, batch):
     params = state["params"]
     rng = jax.random.fold_in(base_key, state["step"]) if dropout else None
-    (loss, terms), grads = grad_fn(params, batch, rng)
+    (loss, terms), grads = grad_fn(params, batch, rng, state["step"])
     grad_norm = optax.tree.norm(grads)
     # A non-finite loss or gradient leaves parameters and optimizer state as they were; the host decides
     # (config.on_nonfinite) whether that ends the run or is only counted. A cond rather than a select of old vs
@@ -386,6 +387,15 @@ def make_embed_fn(graphdef, mesh, param_shardings) -> Encoders:
                   texts=jax.jit(lambda p, t: bind(graphdef, p).encode_text(t), **kw))
 
 
+def make_aggregated_embed_fn(graphdef, mesh, param_shardings, token_layer: int = -1) -> Encoders:
+  """Jitted eval encoders of FineLIP's aggregated tokens ([B, 1+K, E] images, [B, K+1, E] captions, from the
+  tokens of block `token_layer`, as in training), for eval.py --score=finelip."""
+  batch_sh = sharding.batch_sharding(mesh)
+  kw = dict(in_shardings=(param_shardings, batch_sh), out_shardings=batch_sh, compiler_options=compiler_options(mesh))
+  return Encoders(images=jax.jit(lambda p, x: bind(graphdef, p).encode_image_aggregated(x, token_layer), **kw),
+                  texts=jax.jit(lambda p, t: bind(graphdef, p).encode_text_aggregated(t, token_layer), **kw))
+
+
 @dataclasses.dataclass
 class Program:
   """Everything that defines the train step train.py runs (also compiled ahead of time by tools/compile_for)."""
@@ -407,7 +417,7 @@ class Program:
 def check_model(config, model_cfg, mesh, rules) -> None:
   """The mesh- and model-dependent checks of a run (before anything compiles); raise naming the config key."""
   sharding.check_model_fits(model_cfg, mesh, rules)
-  Objective.from_config(config.loss).check(model_cfg)
+  Objective.from_config(config.loss, config).check(model_cfg)
 
 
 def build_program(config, model_cfg, mesh, rules) -> Program:
@@ -421,7 +431,8 @@ def build_program(config, model_cfg, mesh, rules) -> Program:
   shardings = sharding.state_shardings(abstract_state, "params", mesh, rules)
   frozen = frozen_predicate(config.optimizer, freeze) if freeze else None
   step = make_train_step(graphdef, tx, mesh, config, schedule, shardings, frozen=frozen)
-  return Program(graphdef, tx, schedule, abstract_state, shardings, step, Objective.from_config(config.loss), frozen)
+  return Program(graphdef, tx, schedule, abstract_state, shardings, step, Objective.from_config(config.loss, config),
+                 frozen)
 
 
 def abstract_batch(config, model_cfg, mesh) -> dict:

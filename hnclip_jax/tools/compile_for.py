@@ -361,11 +361,13 @@ def model_for(config):
     if config.model.text_context > pre.config.text_context:
       pre = pre.with_text_context(config.model.text_context)
     return experiment.runtime(dataclasses.replace(pre.config, token_projection=config.model.token_projection,
-                                                  **config_lib.adapter_fields(config)).validate(), config)
+                                                  **config_lib.adapter_fields(config),
+                                                  **config_lib.framework_fields(config)).validate(), config)
   d = dict(config.model)
   d["vocab_size"] = d["vocab_size"] or 49408
   d["eot_token_id"] = d["eot_token_id"] if d["eot_token_id"] >= 0 else d["vocab_size"] - 1
-  return experiment.runtime(CLIPConfig.from_dict({**d, **config_lib.adapter_fields(config)}), config)
+  return experiment.runtime(CLIPConfig.from_dict({**d, **config_lib.adapter_fields(config),
+                                                  **config_lib.framework_fields(config)}), config)
 
 
 def _gb(x):
