@@ -1,0 +1,362 @@
+"""The plug-in frameworks (config.framework): FineLIP's aggregation module, late interaction, hinge and ramp against
+float64 NumPy; its model outputs, eval score, config and weights handling; train.py / eval.py end to end."""
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+from scipy.special import erf
+
+from conftest import run_py
+from hnclip_jax import config as config_lib, experiment, losses, sharding
+from hnclip_jax.evaluation.retrieval import finelip_scores, recall_at_k, recall_from_scores
+from hnclip_jax.models import CLIPConfig, bind, init_params
+from hnclip_jax.models.clip import CLIP, AGGREGATORS, TokenAggregation, init_aggregators, split_params
+from hnclip_jax.objective import Objective
+from test_losses import np_reference
+
+MESH = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES)
+
+
+def _unit(x):
+  return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _numeric_grad(f, x, eps=1e-6):
+  g = np.zeros_like(x, np.float64)
+  for idx in np.ndindex(x.shape):
+    hi, lo = x.astype(np.float64).copy(), x.astype(np.float64).copy()
+    hi[idx] += eps
+    lo[idx] -= eps
+    g[idx] = (f(hi) - f(lo)) / (2 * eps)
+  return g
+
+
+# ---- float64 NumPy references ----------------------------------------------------------------------------------
+
+def np_late(img, txt, slope=0.1):
+  """img [A, Ti, E], txt [C, Tt, E] -> [A, C]: for each pair, LeakyReLU'd token similarities; per caption token the
+  max over image tokens, averaged, plus per image token the max over caption tokens, averaged."""
+  s = np.einsum("ape,bqe->abpq", img.astype(np.float64), txt.astype(np.float64))
+  s = np.where(s > 0, s, slope * s)
+  return s.max(2).mean(2) + s.max(3).mean(2)
+
+
+def np_hinge(img_agg, txt_agg, margin=0.2, extra=None):
+  """FineLIP's hinge, summed: Σ_a Σ_{b≠a} [m + S[a,b] − S[a,a]]_+ + [m + S[b,a] − S[a,a]]_+ (extra: [B, B] added to
+  the negatives' scores, symmetric)."""
+  S = np_late(img_agg, txt_agg)
+  b = S.shape[0]
+  extra = np.zeros((b, b)) if extra is None else extra
+  d = np.diag(S)[:, None]
+  off = ~np.eye(b, dtype=bool)
+  i2t = np.where(off, np.maximum(0, margin + S + extra - d), 0).sum(1)
+  t2i = np.where(off, np.maximum(0, margin + S.T + extra - d), 0).sum(1)
+  return i2t, t2i
+
+
+def np_aggregate(x, mask, p, eps=1e-5):
+  """TokenAggregation in float64: softmax over (masked) tokens of s·MLP(LN(x)), weights times tokens."""
+  x = x.astype(np.float64)
+  mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+  h = (x - mu) / np.sqrt(var + eps) * p["norm"]["scale"] + p["norm"]["bias"]
+  h = h @ p["fc1"]["kernel"] + p["fc1"]["bias"]
+  h = 0.5 * h * (1 + erf(h / np.sqrt(2)))
+  logits = (h @ p["fc2"]["kernel"] + p["fc2"]["bias"]) * float(p["scale"])  # [B, N, K]
+  if mask is not None:
+    logits = np.where(mask[:, :, None], logits, -np.inf)
+  w = np.exp(logits - logits.max(1, keepdims=True))
+  w = w / w.sum(1, keepdims=True)
+  return np.einsum("bnk,bne->bke", w, x)
+
+
+def _agg(seed, b=6, ti=4, tt=5, e=4):
+  r = np.random.default_rng(seed)
+  return (_unit(r.normal(size=(b, ti, e))).astype(np.float32), _unit(r.normal(size=(b, tt, e))).astype(np.float32))
+
+
+# ---- The math ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block", [16, 2, 4])
+def test_hinge_value_and_gradients_match_numpy(block):
+  """hinge_rows, computed `block` × `block` pairs at a time (block 4 does not divide B = 6: tiles of 3), equals the
+  float64 hinge; gradients equal its central differences."""
+  img, txt = _agg(0)
+  f = jax.jit(lambda i, t: sum(jnp.sum(x) for x in losses.hinge_rows(i, t, 0, 0.2, block=block)))
+  i2t, t2i = losses.hinge_rows(jnp.asarray(img), jnp.asarray(txt), 0, 0.2, block=block)
+  w_i2t, w_t2i = np_hinge(img, txt)
+  np.testing.assert_allclose(i2t, w_i2t, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(t2i, w_t2i, rtol=1e-5, atol=1e-6)
+  assert w_i2t.min() >= 0 and np.count_nonzero(w_i2t) > 0 and not np.allclose(w_i2t, w_t2i)  # the directions differ
+  gi, gt = jax.grad(f, argnums=(0, 1))(jnp.asarray(img), jnp.asarray(txt))
+  total = lambda i, t: sum(x.sum() for x in np_hinge(i, t))
+  np.testing.assert_allclose(gi, _numeric_grad(lambda x: total(x, txt), img), rtol=1e-3, atol=1e-5)
+  np.testing.assert_allclose(gt, _numeric_grad(lambda x: total(img, x), txt), rtol=1e-3, atol=1e-5)
+
+
+def test_hinge_margin_option_adds_gamma_gbar_without_gradient():
+  img, txt = _agg(1)
+  r = np.random.default_rng(1)
+  emb = _unit(r.normal(size=(6, 8))).astype(np.float32)
+  g = emb.astype(np.float64) @ emb.T.astype(np.float64)
+  np.fill_diagonal(g, 0.0)
+  got = losses.hinge_rows(jnp.asarray(img), jnp.asarray(txt), 0, 0.2, hn_margin=(0.5, emb, emb))
+  want = np_hinge(img, txt, extra=0.5 * g)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
+  assert not np.allclose(want[0], np_hinge(img, txt)[0])  # the margin changes the loss ...
+  d_emb = jax.grad(lambda e: sum(jnp.sum(x) for x in losses.hinge_rows(img, txt, 0, 0.2, hn_margin=(0.5, e, e))))(
+      jnp.asarray(emb))
+  assert np.all(np.asarray(d_emb) == 0)  # ... but Ḡ is a constant
+
+
+def test_aggregation_module_matches_numpy_with_masks():
+  """Softmax over the valid tokens only: masked tokens get no weight and no gradient; the learned scale counts."""
+  r = np.random.default_rng(2)
+  mod = TokenAggregation(8, 3, 5, 1e-5, rngs=nnx.Rngs(0))
+  mod.scale[...] = jnp.float32(1.7)
+  p = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(mod, nnx.Param)))
+  x = r.normal(size=(4, 6, 8)).astype(np.float32)
+  mask = np.arange(6)[None] < np.array([1, 3, 6, 4])[:, None]
+  np.testing.assert_allclose(mod(jnp.asarray(x), jnp.asarray(mask)), np_aggregate(x, mask, p), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(mod(jnp.asarray(x)), np_aggregate(x, None, p), rtol=1e-5, atol=1e-6)
+  gx = jax.grad(lambda v: jnp.sum(mod(v, jnp.asarray(mask)) ** 2))(jnp.asarray(x))
+  assert np.all(np.asarray(gx)[~mask] == 0) and np.abs(np.asarray(gx)[mask]).min() > 0
+  want = _numeric_grad(lambda v: np.sum(np_aggregate(v, mask, p) ** 2), x)
+  np.testing.assert_allclose(gx, want, rtol=1e-3, atol=1e-5)
+
+
+def _outputs(seed, b=6, t=4, e=4):
+  r = np.random.default_rng(seed)
+  img_agg, txt_agg = _agg(seed, b, t, t, e)
+  return {"img": _unit(r.normal(size=(b, e))).astype(np.float32), "txt": _unit(r.normal(size=(b, e))).astype(np.float32),
+          "img_agg": img_agg, "txt_agg": txt_agg, "scale": np.float32(7.0)}
+
+
+@pytest.mark.parametrize("reduction,global_weight,chunk", [("sum", 1.0, 0), ("mean", 0.0, 2), ("sum", 0.5, 3)])
+def test_finelip_objective_value_and_gradients_match_numpy(reduction, global_weight, chunk):
+  """w_g·L_HN + w·ramp(step)·hinge from the outputs dict: value, and gradients w.r.t. every output."""
+  out = _outputs(3)
+  s = float(out["scale"])
+  obj = Objective(gamma=0.5, global_weight=global_weight, finelip_weight=2.0, finelip_reduction=reduction,
+                  finelip_ramp_steps=8, chunk_size=chunk)
+  got, g = jax.jit(jax.value_and_grad(lambda o: obj(o, MESH, jnp.int32(2))[0]))(out)
+  norm = 6 if reduction == "mean" else 1
+  hinge = lambda i, t: sum(x.sum() for x in np_hinge(i, t)) / norm
+  hn, dv, dt = np_reference(out["img"], out["txt"], s, 0.5)
+  w = 2.0 * 2 / 8  # weight × ramp at step 2 of 8
+  np.testing.assert_allclose(got, global_weight * hn + w * hinge(out["img_agg"], out["txt_agg"]), rtol=1e-5)
+  np.testing.assert_allclose(g["img"], global_weight * dv, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(g["txt"], global_weight * dt, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(g["img_agg"], w * _numeric_grad(lambda x: hinge(x, out["txt_agg"]), out["img_agg"]),
+                             rtol=1e-3, atol=1e-5)
+  np.testing.assert_allclose(g["txt_agg"], w * _numeric_grad(lambda x: hinge(out["img_agg"], x), out["txt_agg"]),
+                             rtol=1e-3, atol=1e-5)
+  _, aux = obj(out, MESH, 2)
+  np.testing.assert_allclose(aux["terms"]["fine"], hinge(out["img_agg"], out["txt_agg"]), rtol=1e-5)
+  # Each example's share: ½(i2t + t2i) of L_HN (weighted) plus its rows of the hinge; they add up to B·w_g·L_HN + w·hinge.
+  np.testing.assert_allclose(np.sum(aux["per_example"]), 6 * global_weight * hn + w * hinge(out["img_agg"], out["txt_agg"]),
+                             rtol=1e-4)
+
+
+def test_ramp_runs_from_zero_to_the_full_weight():
+  out = _outputs(4)
+  obj = Objective(gamma=0.5, finelip_weight=1.0, finelip_ramp_steps=10)
+  hn = float(np_reference(out["img"], out["txt"], float(out["scale"]), 0.5)[0])
+  fine = float(obj(out, MESH, 0)[1]["terms"]["fine"])
+  assert fine > 0
+  for step, ramp in ((0, 0.0), (5, 0.5), (10, 1.0), (1000, 1.0), (None, 1.0)):
+    np.testing.assert_allclose(obj(out, MESH, step)[0], hn + ramp * fine, rtol=1e-5)
+  np.testing.assert_allclose(obj.replace(finelip_ramp_steps=0)(out, MESH, 0)[0], hn + fine, rtol=1e-5)
+
+
+def test_gamma_zero_finelip_is_its_own_infonce_plus_hinge():
+  out = _outputs(5)
+  got = Objective(gamma=0.0, finelip_weight=1.0)(out, MESH)[0]
+  s = float(out["scale"])
+  hn0 = np_reference(out["img"], out["txt"], s, 0.0)[0]
+  np.testing.assert_allclose(got, hn0 + sum(x.sum() for x in np_hinge(out["img_agg"], out["txt_agg"])), rtol=1e-5)
+
+
+# ---- The model -----------------------------------------------------------------------------------------------
+
+TINY = CLIPConfig(embed_dim=8, image_size=16, patch_size=4, vision_width=16, vision_layers=1, vision_heads=2,
+                  vision_mlp_dim=32, text_context=8, vocab_size=64, text_width=16, text_layers=1, text_heads=2,
+                  text_mlp_dim=32, eot_token_id=3, aggregate_tokens=3)
+
+
+def _batch(b=5, seed=0):
+  r = np.random.default_rng(seed)
+  lengths = np.array([2, 8, 5, 3, 6])[:b]  # start, words, end; the shortest caption has no word at all
+  tokens = np.where(np.arange(8)[None] < lengths[:, None] - 1, r.integers(4, 64, (b, 8)), 0)
+  tokens[:, 0], tokens[np.arange(b), lengths - 1] = 2, 3
+  return r.normal(size=(b, 16, 16, 3)).astype(np.float32), tokens.astype(np.int32), lengths
+
+
+def test_model_aggregates_cls_plus_k_patches_and_k_words_plus_end_token():
+  """img_agg = [CLS, K aggregated patches], txt_agg = [K aggregated tokens start..last word, end token], each
+  L2-normalised, from the towers' projected tokens; padding and the end token take no part in the aggregation."""
+  graphdef, params = init_params(TINY, 0)
+  model = bind(graphdef, params)
+  images, tokens, lengths = _batch()
+  out = model(images, tokens, token_layer=-1, aggregate=True)
+  assert out["img_agg"].shape == (5, 4, 8) and out["txt_agg"].shape == (5, 4, 8)
+  _, img_tok = model.image_tower(images, -1)
+  _, txt_tok = model.text_tower(tokens, -1)
+  img_tok, txt_tok = np.asarray(img_tok, np.float64), np.asarray(txt_tok, np.float64)
+  p = jax.tree.map(np.asarray, params)
+  want_img = np.concatenate([img_tok[:, :1], np_aggregate(img_tok[:, 1:], None, p["image_aggregator"])], 1)
+  words = np.arange(8)[None] < (lengths - 1)[:, None]
+  eot = txt_tok[np.arange(5), lengths - 1][:, None]
+  want_txt = np.concatenate([np_aggregate(txt_tok, words, p["text_aggregator"]), eot], 1)
+  np.testing.assert_allclose(out["img_agg"], _unit(want_img), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(out["txt_agg"], _unit(want_txt), rtol=1e-4, atol=1e-5)
+  # The image's first row is the global image embedding (same CLS, same LayerNorm and projection).
+  np.testing.assert_allclose(out["img_agg"][:, 0], out["img"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out["txt_agg"][:, -1], out["txt"], rtol=1e-5, atol=1e-6)
+
+
+def test_models_without_the_framework_are_unchanged():
+  base = CLIPConfig(**{**TINY.__dict__, "aggregate_tokens": 0})
+  _, p0 = init_params(base, 0)
+  _, p1 = init_params(TINY, 0)
+  assert not set(p0) & set(AGGREGATORS) and set(AGGREGATORS) <= set(p1)
+  same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), p0, {k: v for k, v in p1.items() if k in p0})
+  assert all(jax.tree.leaves(same))  # the towers are initialised exactly as without the module
+
+
+def test_weights_without_aggregators_get_fresh_ones_and_a_longclip_start_drops_them():
+  _, with_agg = init_params(TINY, 0)
+  base = {k: v for k, v in with_agg.items() if k not in AGGREGATORS}
+  filled = experiment.with_aggregators(base, TINY, 0, "w")
+  assert jax.tree.structure(filled) == jax.tree.structure(with_agg)
+  np.testing.assert_array_equal(filled["image_aggregator"]["fc1"]["kernel"],
+                                init_aggregators(TINY, 0)["image_aggregator"]["fc1"]["kernel"])
+  plain = CLIPConfig(**{**TINY.__dict__, "aggregate_tokens": 0})
+  assert set(experiment.with_aggregators(with_agg, plain, 0, "w")) == set(base)
+  with pytest.raises(ValueError, match="aggregators of other shapes.*config.finelip.tokens=5"):
+    experiment.with_aggregators(with_agg, CLIPConfig(**{**TINY.__dict__, "aggregate_tokens": 5}), 0, "/w")
+
+
+def test_aggregators_are_replicated_on_every_layout():
+  for name in ("image_aggregator/fc1/kernel", "text_aggregator/fc2/bias", "image_aggregator/norm/scale",
+               "text_aggregator/scale"):
+    ndim = 2 if name.endswith("kernel") else (0 if name.endswith("/scale") and "norm" not in name else 1)
+    assert sharding.logical_axes(name, ndim) == (None,) * ndim
+
+
+# ---- Eval ----------------------------------------------------------------------------------------------------
+
+def test_recall_from_scores_equals_recall_at_k_for_cosine_scores():
+  r = np.random.default_rng(6)
+  img, txt = _unit(r.normal(size=(7, 5))), _unit(r.normal(size=(12, 5)))
+  owner = np.array([0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 6])
+  txt[7:] = _unit(img[owner[7:]] + 0.3 * r.normal(size=(5, 5)))
+  want = recall_at_k(img.astype(np.float32), txt.astype(np.float32), ks=(1, 2, 5), caption_image=owner)
+  assert recall_from_scores(txt @ img.T, owner, ks=(1, 2, 5)) == want
+
+
+def test_finelip_score_is_the_weighted_sum_of_cosine_and_late_interaction():
+  r = np.random.default_rng(7)
+  img, txt = _unit(r.normal(size=(9, 4))), _unit(r.normal(size=(9, 4)))
+  img_agg, txt_agg = _agg(7, b=9)
+  got = finelip_scores(img, txt, img_agg, txt_agg, 0.2, chunk=4)  # 9 captions: chunks of 4, 4, 1 (padded)
+  want = 0.8 * txt.astype(np.float64) @ img.T + 0.2 * np_late(img_agg, txt_agg).T
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ---- Config --------------------------------------------------------------------------------------------------
+
+def test_framework_config_is_checked():
+  c = config_lib.base_config()
+  c.framework = "goal"
+  with pytest.raises(ValueError, match="config.framework='goal'.*not implemented yet"):
+    config_lib.validate(c)
+  c.framework = "finelip"
+  c.finelip.reduction = "avg"
+  with pytest.raises(ValueError, match="config.finelip.reduction='avg'"):
+    config_lib.validate(c)
+  from configs import longclip_l
+  c = longclip_l.get_config("docci,finelip")
+  config_lib.validate(c)
+  assert c.framework == "finelip" and c.loss.token_weight == 0 and c.optimizer.lr == 1e-6
+  assert config_lib.framework_fields(c) == {"aggregate_tokens": 39, "aggregate_hidden_ratio": 0.2}
+  with pytest.raises(ValueError, match="no lora/dora variant"):
+    longclip_l.get_config("finelip,lora")
+
+
+def test_epoch_settings_resolve_to_steps():
+  c = config_lib.base_config()
+  c.framework, c.batch_size = "finelip", 32
+  assert experiment.resolve_epoch_settings(c, 1000).finelip.ramp_steps == 31
+  assert c.finelip.ramp_steps == -1  # the caller's config is not changed
+  c.finelip.ramp_steps = 7
+  assert experiment.resolve_epoch_settings(c, 1000).finelip.ramp_steps == 7
+
+
+# ---- End to end ----------------------------------------------------------------------------------------------
+
+CONFIG = "configs/demo.py:test"
+FINELIP_RUN = ["--config.framework=finelip", "--config.finelip.tokens=4", "--config.total_steps=8",
+               "--config.log_every=2", "--config.checkpoint_every=4", "--config.eval_every=4",
+               "--config.optimizer.lr_multipliers=((r'_aggregator/', 5.0),)"]
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _params(workdir):
+  from hnclip_jax import pretrained
+  return pretrained.load(workdir).params
+
+
+def test_finelip_trains_resumes_bit_identically_and_evaluates(tmp_path, tfds_dir):
+  """train.py with config.framework=finelip on the built-in data: both terms logged (loss = L_HN + ramp·hinge, the
+  ramp one epoch = 128 / 16 = 8 steps); a resume from the step-4 checkpoint gives bit-identical parameters and
+  metrics; eval.py ranks by cosine and by FineLIP's combined score."""
+  workdir = str(tmp_path / "fl")
+  args = ["train.py", "--config", CONFIG, f"--config.data.data_dir={tfds_dir}", *FINELIP_RUN]
+  run_py([*args, "--workdir", workdir])
+  rows = [r for r in _metrics(workdir) if "loss" in r]
+  assert [r["step"] for r in rows] == [2, 4, 6, 8]
+  for r in rows:  # the logged loss is the loss of step r["step"] - 1, ramp (step - 1) / 8
+    assert r["loss"] == pytest.approx(r["loss/hn"] + (r["step"] - 1) / 8 * r["loss/fine"], rel=1e-5)
+  with open(os.path.join(workdir, "model.json")) as f:
+    assert json.load(f)["aggregate_tokens"] == 4
+  resumed = str(tmp_path / "resumed")
+  shutil.copytree(workdir, resumed)
+  shutil.rmtree(os.path.join(resumed, "checkpoints", "8"))
+  proc = run_py([*args, "--workdir", resumed])
+  assert "(step 4)" in proc.stdout
+  assert _metrics(resumed) == _metrics(workdir)
+  a, b = _params(workdir), _params(resumed)
+  assert all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
+  assert not np.array_equal(a["image_aggregator"]["fc1"]["kernel"], init_aggregators(
+      CLIPConfig(**{**TINY.__dict__, "embed_dim": 32, "aggregate_tokens": 4}), 0)["image_aggregator"]["fc1"]["kernel"])
+  # eval.py: cosine (the framework need not be repeated) and FineLIP's combined score.
+  run_py(["eval.py", "--config", CONFIG, "--workdir", workdir, f"--config.data.data_dir={tfds_dir}"])
+  with open(os.path.join(workdir, "eval_results.json")) as f:
+    cos = json.load(f)
+  train_eval = [r for r in _metrics(workdir) if "eval/t2i/R@1" in r][-1]
+  assert cos["score"] == "cosine" and cos["t2i"]["R@1"] == pytest.approx(train_eval["eval/t2i/R@1"])
+  proc = run_py(["eval.py", "--config", CONFIG, "--workdir", workdir, f"--config.data.data_dir={tfds_dir}",
+                 "--score=finelip"])
+  assert "0.8·cosine + 0.2·late interaction" in proc.stdout
+  with open(os.path.join(workdir, "eval_results.json")) as f:
+    fine = json.load(f)
+  assert fine["score"] == "finelip" and fine["num_pairs"] == 40
+  assert all(0 <= fine[d][k] <= 100 for d in ("t2i", "i2t") for k in fine[d])
+  # A model without aggregators cannot be ranked with FineLIP's score: a named error.
+  plain = str(tmp_path / "plain")
+  run_py(["train.py", "--config", CONFIG, f"--config.data.data_dir={tfds_dir}", "--config.total_steps=1",
+          "--config.checkpoint_every=1", "--config.eval_every=1", "--workdir", plain])
+  proc = run_py(["eval.py", "--config", CONFIG, "--workdir", plain, f"--config.data.data_dir={tfds_dir}",
+                 "--score=finelip"], check=False)
+  assert proc.returncode != 0 and "--score=finelip needs FineLIP's token aggregators" in proc.stderr
