@@ -44,12 +44,12 @@ tokens[:, 0], tokens[np.arange(B), lengths - 1] = 2, 3
 batch = {"image": rng.normal(size=(B, 16, 16, 3)).astype(np.float32), "tokens": tokens.astype(np.int32)}
 
 
-def grads_on(shape, accum=1, negatives="global_batch", chunk=0, gamma=0.5, token_weight=0.0, model=None):
+def grads_on(shape, accum=1, negatives="global_batch", chunk=0, gamma=0.5, token_weight=0.0, model=None, **terms):
   graphdef, params = model or (GRAPHDEF, PARAMS)
   mesh = mesh_of(shape)
   abstract = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)}
   psh = sharding.state_shardings(abstract, "params", mesh, RULES)["params"]
-  objective = Objective(gamma=gamma, chunk_size=chunk, token_weight=token_weight)
+  objective = Objective(gamma=gamma, chunk_size=chunk, token_weight=token_weight, **terms)
   fn = train_step.make_grad_fn(graphdef, mesh, objective, accum, negatives)
   bsh = sharding.batch_sharding(mesh)
   f = jax.jit(fn, in_shardings=(psh, bsh), out_shardings=(sharding.replicated(mesh), psh))
@@ -108,6 +108,21 @@ for method in ("lora", "dora"):
                                              "q_lora_b": str(q["lora"]["lora_b"].spec),
                                              "fc2_lora_a": str(fc2["lora"]["lora_a"].spec)}
 
+# FineLIP (config.framework="finelip"): L_HN + the late-interaction hinge on aggregated tokens (with γ·Ḡ on its
+# negatives too): every layout, accumulation over the global batch and chunking equal one device.
+fcfg = dataclasses.replace(CFG, aggregate_tokens=3)
+fmodel = init_params(fcfg, 0)
+fine = dict(finelip_weight=1.0, finelip_hn_margin=True, model=fmodel)
+f_loss, f_grads, _ = grads_on((1, 1, 1), **fine)
+out["finelip_layouts"] = {}
+for shape, kw in [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2}), ((4, 1, 1), {"chunk": 1})]:
+  loss, grads, psh = grads_on(shape, **kw, **fine)
+  out["finelip_layouts"][f"{shape} {kw}"] = {"loss_rel": abs(loss - f_loss) / f_loss, "grad_rel": max_rel(grads, f_grads),
+                                             "aggregator_grad": float(np.abs(grads["image_aggregator"]["fc1"]["kernel"]).max())}
+  if shape == (2, 2, 2) and not kw:
+    out["finelip_layouts"]["aggregator spec"] = str(psh["text_aggregator"]["fc1"]["kernel"].spec)
+out["finelip_differs"] = abs(f_loss - grads_on((1, 1, 1), model=fmodel)[0]) / f_loss
+
 # Optimizer state follows the parameters.
 mesh = mesh_of((2, 2, 2))
 tx = train_step.make_optimizer(ml_collections.ConfigDict(dict(lr=1e-3, weight_decay=0.1, warmup_steps=1, b1=0.9, b2=0.98,
@@ -165,4 +180,13 @@ hlo = jax.jit(jax.value_and_grad(f)).lower(tok, mask).compile().as_text()
 sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"[fs]\d+\[([\d,]*)\]", hlo)]
 out["token_memory"] = {"largest_buffer": max(sizes), "BxBxPxL": TB * TB * TP * TL, "nxBxPxL": TB // 8 * TB * TP * TL,
                        "block": losses.TOKEN_BLOCK ** 2 * TP * TL}
+# FineLIP's hinge: no [B, B, Ti, Tt] (nor [n_local, B, Ti, Tt]) buffer either.
+FT = 10
+agg = {"img": tok["img"], "txt": tok["txt"], "img_agg": jax.ShapeDtypeStruct((TB, FT, TE), jnp.float32, sharding=sh),
+       "txt_agg": jax.ShapeDtypeStruct((TB, FT, TE), jnp.float32, sharding=sh)}
+f = lambda o: Objective(gamma=0.5, finelip_weight=1.0)({**o, "scale": jnp.float32(30.0)}, mesh)[0]
+hlo = jax.jit(jax.value_and_grad(f)).lower(agg).compile().as_text()
+sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"[fs]\d+\[([\d,]*)\]", hlo)]
+out["finelip_memory"] = {"largest_buffer": max(sizes), "BxBxTxT": TB * TB * FT * FT, "nxBxTxT": TB // 8 * TB * FT * FT,
+                         "block": losses.TOKEN_BLOCK ** 2 * FT * FT}
 print("RESULT " + json.dumps(out))

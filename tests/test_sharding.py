@@ -54,6 +54,23 @@ def test_adapters_every_layout_matches_one_device(checks):
                                     "fc2_lora_a": "P('tensor', None)"}
 
 
+def test_finelip_every_layout_matches_one_device(checks):
+  """FineLIP (L_HN + the late-interaction hinge on aggregated tokens, γ·Ḡ on its negatives): the five layouts,
+  global-batch accumulation and 1-row chunks give one device's loss and gradients; the aggregators (replicated)
+  get a gradient."""
+  f = checks["finelip_layouts"]
+  runs = {k: v for k, v in f.items() if k != "aggregator spec"}
+  assert checks["finelip_differs"] > 1e-2 and len(runs) == 7
+  for name, r in runs.items():
+    assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5 and r["aggregator_grad"] > 0, (name, r)
+  assert f["aggregator spec"] == "P(None, None)"
+
+
+def test_finelip_hinge_never_materialises_the_pairwise_token_tensor(checks):
+  m = checks["finelip_memory"]
+  assert m["largest_buffer"] <= m["block"] < m["nxBxTxT"] < m["BxBxTxT"], m
+
+
 def test_gradient_accumulation(checks):
   assert len(checks["accum"]) == 3
   for name, r in checks["accum"].items():  # global-batch negatives: identical to no accumulation
