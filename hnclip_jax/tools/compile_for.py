@@ -174,6 +174,24 @@ def _array_bytes(type_str: str) -> int:
              for dt, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", type_str))
 
 
+def _trip_count(while_line: str, comps: dict) -> int:
+  """Iterations of a while loop: XLA's known_trip_count where the backend prints it (GPU, CPU); otherwise (TPU's
+  optimised HLO drops it) the bound of its condition when that is `counter < constant` (JAX's scan / fori_loop
+  counters start at 0 and step by 1). 1 when neither is found."""
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"', while_line)
+  if known:
+    return int(known.group(1))
+  cond = re.search(r"\bcondition=%?([\w.\-]+)", while_line)
+  lines = comps.get(cond.group(1), []) if cond else []
+  consts = {m.group(1): int(m.group(2)) for m in (re.match(r"\s*%([\w.\-]+)\s*=\s*s32\[\][^=]*constant\((\d+)\)", x)
+                                                  for x in lines) if m}
+  for line in lines:
+    root = re.search(r"ROOT\s.*compare\(%[\w.\-]+,\s*%([\w.\-]+)\),\s*direction=LT", line)
+    if root and root.group(1) in consts:
+      return consts[root.group(1)]
+  return 1
+
+
 def _computations(hlo: str):
   """Optimised HLO text -> ({computation: [instruction lines]}, times(computation) -> executions per step): an
   instruction inside a loop body runs once per iteration (XLA's known_trip_count), nested loops multiply, fused and
@@ -191,11 +209,11 @@ def _computations(hlo: str):
   calls = {name: [] for name in comps}  # callee -> [(caller, factor)]
   for name, lines in comps.items():
     for line in lines:
-      trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
       body = re.search(r"\bbody=%?([\w.\-]+)", line)
+      trip = _trip_count(line, comps) if body else 1
       for callee in re.findall(r"(?:calls|to_apply|condition|body|branch_computations)=\{?%?([\w.\-]+)", line):
         if callee in calls:
-          calls[callee].append((name, int(trip.group(1)) if trip and body and callee == body.group(1) else 1))
+          calls[callee].append((name, trip if body and callee == body.group(1) else 1))
       for callee in re.findall(r"branch_computations=\{([^}]*)\}", line):
         for c in re.findall(r"%?([\w.\-]+)", callee):
           if c in calls:
