@@ -1,0 +1,82 @@
+"""Step time of each fine-tuning framework (config.framework) relative to plain HN-CLIP (framework "longclip", the
+global term only), measured side by side in one process: the programs train.py builds (train_step.build_program),
+timed in alternating order, plus XLA's FLOPs of each compiled step (no timing noise).
+
+  python benchmarks/frameworks.py [--models tiny,vit_b16] [--batch tiny=128,vit_b16=8] [--reps 5] [--json out.json]
+
+The paper reports training time relative to HN-CLIP for GOAL (2.4x) and StructXLIP (5.4x); those two frameworks are
+not implemented yet (docs/frameworks.md), so their rows are absent.
+"""
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # tcmalloc when installed, like the other step-time benchmarks (hnclip_jax/hostmem.py)
+  from hnclip_jax import hostmem
+  hostmem.use_tcmalloc(default="auto")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import alternating_times, dump, random_batch, table  # noqa: E402
+from hnclip_jax.models import PRESETS  # noqa: E402
+
+FRAMEWORKS = ("longclip", "finelip")
+
+
+def program_for(cfg, framework: str, batch: int):
+  from hnclip_jax import config as config_lib, sharding, train_step
+  config = config_lib.base_config()
+  config.framework, config.batch_size, config.total_steps = framework, batch, 1000
+  config.optimizer.warmup_steps = 1
+  config.finelip.ramp_steps = 0  # the hinge at full weight (the same program either way)
+  config.diagnostics.log = False
+  model_cfg = dataclasses.replace(cfg, **config_lib.framework_fields(config)).validate()
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+  return train_step.build_program(config, model_cfg, mesh, sharding.parse_rules(config.mesh.rules)), model_cfg, mesh
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--models", default="tiny,vit_b16")
+  ap.add_argument("--batch", default="tiny=128,vit_b16=8")
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--json", default="")
+  a = ap.parse_args()
+  batches = {k: int(v) for k, v in (kv.split("=") for kv in a.batch.split(","))}
+  from hnclip_jax import train_step
+  from hnclip_jax.models import init_params
+  rows = []
+  for name in a.models.split(","):
+    cfg, batch = PRESETS[name], batches[name]
+    steps, flops = {}, {}
+    for fw in FRAMEWORKS:
+      program, model_cfg, mesh = program_for(cfg, fw, batch)
+      data = random_batch(model_cfg, batch, mesh)
+      compiled = program.step.lower(program.target(), data).compile()
+      cost = compiled.cost_analysis()
+      flops[fw] = float((cost[0] if isinstance(cost, list) else cost)["flops"])
+      state = jax.jit(lambda p, tx=program.tx: train_step.init_state(p, tx),
+                      out_shardings=program.shardings)(init_params(model_cfg, 0)[1])
+      box = {"state": state}
+
+      def run(box=box, compiled=compiled, data=data):
+        box["state"], m = compiled(box["state"], data)
+        jax.block_until_ready(m["loss"])
+      run()  # warm-up
+      steps[fw] = run
+    times = alternating_times(steps, a.reps)
+    base = np.array(times["longclip"])
+    for fw in FRAMEWORKS:
+      t = np.array(times[fw])
+      rows.append({"model": name, "batch": batch, "framework": fw, "step (s, median)": float(np.median(t)),
+                   "time vs HN-CLIP (median of per-rep ratios)": float(np.median(t / base)),
+                   "XLA FLOPs vs HN-CLIP": flops[fw] / flops["longclip"]})
+    print(table([r for r in rows if r["model"] == name], list(rows[0])), flush=True)
+  dump(a.json, {"device": f"{jax.device_count()}x {jax.devices()[0].device_kind}", "rows": rows})
+
+
+if __name__ == "__main__":
+  main()
