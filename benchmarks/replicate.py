@@ -105,6 +105,9 @@ def main():
   p.add_argument("--methods", default="",
                  help="comma-separated lora,dora: also fine-tune with adapters (rank 16, the full runs' lr x 25 as "
                       "in the paper: 2e-6 -> 5e-5), γ 0 and 0.5, every seed")
+  p.add_argument("--frameworks", default="",
+                 help="comma-separated finelip: also fine-tune with that framework (config.framework; its hinge "
+                      "ramped in over one epoch, the aggregators at 10x the backbone's lr), γ 0 and 0.5, every seed")
   a = p.parse_args()
   out = os.path.abspath(a.out)
   os.makedirs(out, exist_ok=True)
@@ -143,6 +146,9 @@ def main():
   methods = [m for m in a.methods.split(",") if m]
   peft_runs = {(m, g, s): os.path.join(out, f"ft_{m}_gamma{g}_seed{s}") for m in methods for g in (0.0, 0.5)
                for s in seeds}
+  frameworks = [f for f in a.frameworks.split(",") if f]
+  fw_runs = {(f, g, s): os.path.join(out, f"ft_fw_{f}_gamma{g}_seed{s}") for f in frameworks for g in (0.0, 0.5)
+             for s in seeds}
   small = os.path.join(out, "ft_gamma0.5_20pct")
   if not a.report_only:
     if not os.path.exists(os.path.join(pre, workdir.MODEL_JSON)) or not rows(pre)[-1:] or \
@@ -165,6 +171,12 @@ def main():
       run([*common, *ft_args, "--config.optimizer.lr=5e-3", "--workdir", w, f"--config.loss.gamma={g}",
            f"--config.seed={s}", f"--config.finetune.method={m}", "--config.finetune.rank=16",
            "--config.finetune.alpha=16"], w + ".log")
+    for (f, g, s), w in fw_runs.items():
+      if finished(w, ft_steps):
+        continue
+      run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
+           f"--config.framework={f}", "--config.optimizer.lr_multipliers=((r'^(image|text)_aggregator/', 10.0),)"],
+          w + ".log")
     if not finished(small, ft_steps):
       run([*common, *ft_args, "--workdir", small, "--config.loss.gamma=0.5", "--config.seed=0",
            f"--config.data.num_train={num_train // 5}"], small + ".log")
@@ -189,6 +201,10 @@ def main():
   for m in methods:
     for g in (0.0, 0.5):
       results["adapters"][f"{m}_gamma{g}"] = mean_std([peft_runs[(m, g, s)] for s in seeds])
+  results["frameworks"] = {}
+  for f in frameworks:
+    for g in (0.0, 0.5):
+      results["frameworks"][f"{f}_gamma{g}"] = mean_std([fw_runs[(f, g, s)] for s in seeds])
   for g in (0.0, 0.5):
     if (g, seeds[0]) not in runs:
       continue
@@ -245,6 +261,10 @@ def main():
     m, g = name.split("_gamma")
     lines.append(f"| {g}, {m.upper()} rank 16 | " + " | ".join(f"{r[f'{d}/R@{k}'][0]:.2f} ± {r[f'{d}/R@{k}'][1]:.2f}"
                                                           for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
+  for name, r in results["frameworks"].items():
+    f, g = name.split("_gamma")
+    lines.append(f"| {g}, framework {f} | " + " | ".join(f"{r[f'{d}/R@{k}'][0]:.2f} ± {r[f'{d}/R@{k}'][1]:.2f}"
+                                                         for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
   de = results["data_efficiency"]["gamma0.5_20pct"]
   lines.append("| 0.5, 20% data, seed 0 | " + " | ".join(f"{de[f'{d}/R@{k}']:.2f}" for d in ("t2i", "i2t")
                                                        for k in (1, 5, 10)) + " |")

@@ -72,7 +72,7 @@ def test_similarity_stats_and_buckets():
 def replication(tmp_path_factory, tfds_dir):
   out = tmp_path_factory.mktemp("replication")
   run_py(["benchmarks/replicate.py", "--quick", "--out", str(out), "--seeds", "0,1", "--gammas", "0,0.5",
-          f"--data_dir={tfds_dir}"], timeout=1200)
+          "--frameworks", "finelip", f"--data_dir={tfds_dir}"], timeout=1200)
   return out
 
 
@@ -95,6 +95,10 @@ def test_replicate_quick_writes_its_outputs(replication):
     assert g == json.load(open(replication / name / "summary.json")) and g["text_context"] == 68
 
   assert all(len(v) == 2 for v in res["by_gamma"]["0.5"].values())  # mean, std
+  # --frameworks finelip: FineLIP runs from the same start, their rows in results.json and the table.
+  assert set(res["frameworks"]) == {"finelip_gamma0.0", "finelip_gamma0.5"}
+  fl = json.load(open(replication / "ft_fw_finelip_gamma0.5_seed1" / "model.json"))
+  assert fl["aggregate_tokens"] == 39 and "| 0.5, framework finelip |" in open(replication / "table.md").read()
   for name in ("table.md", "recall_vs_gamma.png", "saturation.png"):
     assert os.path.getsize(replication / name) > 0
   rows = [json.loads(line) for line in open(replication / "ft_gamma0.5_seed0" / "metrics.jsonl")]
