@@ -16,25 +16,16 @@ from conftest import run_py
 from hnclip_jax import config as config_lib, experiment, losses, sharding
 from hnclip_jax.evaluation.retrieval import finelip_scores, recall_at_k, recall_from_scores
 from hnclip_jax.models import CLIPConfig, bind, init_params
-from hnclip_jax.models.clip import CLIP, AGGREGATORS, TokenAggregation, init_aggregators, split_params
+from hnclip_jax.models.clip import AGGREGATORS, TokenAggregation, init_aggregators
 from hnclip_jax.objective import Objective
 from test_losses import np_reference
+from test_objective import _numeric_grad
 
 MESH = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES)
 
 
 def _unit(x):
   return x / np.linalg.norm(x, axis=-1, keepdims=True)
-
-
-def _numeric_grad(f, x, eps=1e-6):
-  g = np.zeros_like(x, np.float64)
-  for idx in np.ndindex(x.shape):
-    hi, lo = x.astype(np.float64).copy(), x.astype(np.float64).copy()
-    hi[idx] += eps
-    lo[idx] -= eps
-    g[idx] = (f(hi) - f(lo)) / (2 * eps)
-  return g
 
 
 # ---- float64 NumPy references ----------------------------------------------------------------------------------

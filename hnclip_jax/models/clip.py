@@ -72,7 +72,8 @@ class CLIPConfig:
   def validate(self) -> "CLIPConfig":
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
-      if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 and f.name not in ("adapter_dropout", "aggregate_tokens"):
+      may_be_zero = f.name in ("adapter_dropout", "aggregate_tokens")
+      if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 and not may_be_zero:
         raise ValueError(f"config.model.{f.name}={v} must be positive")
     if self.image_size % self.patch_size:
       raise ValueError(f"config.model.image_size={self.image_size} is not a multiple of "
