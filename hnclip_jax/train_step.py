@@ -110,10 +110,12 @@ def frozen_predicate(opt_cfg, freeze):
 
 
 def freeze_patterns(config, model_cfg) -> tuple:
-  """config.finetune.freeze, plus every non-adapter parameter for LoRA / DoRA."""
+  """config.finetune.freeze, plus every non-adapter parameter for LoRA / DoRA (except a framework's new modules,
+  FineLIP's aggregators: they start from scratch and train with the adapters)."""
   freeze = [config.finetune.freeze] if isinstance(config.finetune.freeze, str) else list(config.finetune.freeze)
   if model_cfg.adapter != "none":
-    freeze.append(adapters.NOT_ADAPTER)
+    freeze.append(adapters.NOT_ADAPTER if not model_cfg.aggregate_tokens else
+                  r"^(?!(image|text)_aggregator/)" + adapters.NOT_ADAPTER.removeprefix("^"))
   return tuple(freeze)
 
 

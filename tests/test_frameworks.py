@@ -234,6 +234,19 @@ def test_weights_without_aggregators_get_fresh_ones_and_a_longclip_start_drops_t
     experiment.with_aggregators(with_agg, CLIPConfig(**{**TINY.__dict__, "aggregate_tokens": 5}), 0, "/w")
 
 
+def test_aggregators_train_with_adapters():
+  """LoRA freezes every base weight; FineLIP's aggregators, new and randomly initialised, still train."""
+  from hnclip_jax import train_step
+  c = config_lib.base_config()
+  c.framework, c.finetune.method = "finelip", "lora"
+  cfg = CLIPConfig(**{**TINY.__dict__, **config_lib.adapter_fields(c)})
+  frozen = train_step.frozen_predicate(c.optimizer, train_step.freeze_patterns(c, cfg))
+  assert not frozen("image_aggregator/fc1/kernel") and not frozen("text_aggregator/scale")
+  assert not frozen("text/blocks/0/fc1/lora/lora_a") and frozen("text/blocks/0/fc1/kernel") and frozen("ln_post/scale")
+  plain = CLIPConfig(**{**cfg.__dict__, "aggregate_tokens": 0})
+  assert train_step.freeze_patterns(c, plain)[-1] == r"^(?!.*(/lora/lora_[ab]|/magnitude)$)"
+
+
 def test_aggregators_are_replicated_on_every_layout():
   for name in ("image_aggregator/fc1/kernel", "text_aggregator/fc2/bias", "image_aggregator/norm/scale",
                "text_aggregator/scale"):
