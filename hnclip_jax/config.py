@@ -149,6 +149,12 @@ def framework_fields(config) -> dict:
     planned = " ('goal' and 'structxlip' are not implemented yet)" if fw in ("goal", "structxlip") else ""
     raise ValueError(f"config.framework={fw!r}; choose one of {list(FRAMEWORKS)}{planned}")
   if fw != "finelip":
+    defaults = base_config().finelip
+    changed = [f"config.finelip.{k}={v!r}" for k, v in config.get("finelip", {}).items()
+               if k != "score_weight" and v != defaults.get(k)]
+    if changed:  # a setting that would silently do nothing
+      raise ValueError(f"{', '.join(changed)} set, but config.framework={fw!r}: FineLIP's settings apply only with "
+                       "config.framework='finelip'. Set that, or drop them")
     return {"aggregate_tokens": 0}
   f = config.finelip
   if int(f.tokens) < 1:

@@ -285,6 +285,10 @@ def test_framework_config_is_checked():
   c.finelip.reduction = "avg"
   with pytest.raises(ValueError, match="config.finelip.reduction='avg'"):
     config_lib.validate(c)
+  c = config_lib.base_config()
+  c.finelip.margin = 0.3  # without config.framework="finelip" it would do nothing: refused, named
+  with pytest.raises(ValueError, match="config.finelip.margin=0.3 set, but config.framework='longclip'"):
+    config_lib.validate(c)
   from configs import longclip_l
   c = longclip_l.get_config("docci,finelip")
   config_lib.validate(c)
