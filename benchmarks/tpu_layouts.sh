@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Compile-only TPU layouts for docs/sharding.md: Long-CLIP-L (ViT-L/14, 248 text tokens, bf16) fine-tuning steps
 # compiled by XLA's TPU compiler on this CPU host (tools/compile_for; needs libtpu, see README). Rows are appended to
-# ${OUT:-tpu_layouts.jsonl} as each compile finishes (minutes each on 2 cores), so it can run in the background.
+# ${OUT:-tpu_layouts.jsonl} as each compile finishes (minutes each on 2 cores), so it can run in the background; each
+# row's optimised program goes to ${HLO_DIR:-tpu_hlo}/ (gzipped HLO) so its FLOPs and collectives can be recounted.
 #   PYTHONPATH=~/.cache/hnclip_jax/libtpu bash benchmarks/tpu_layouts.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-tpu_layouts.jsonl}"
+hlo="${HLO_DIR:-tpu_hlo}"
 run() {  # TOPOLOGY LAYOUTS GRID... (each GRID is KEY=V1,V2)
   local topo="$1" layouts="$2"; shift 2
   local grid=()
   for g in "$@"; do grid+=(--grid "$g"); done
   python -m hnclip_jax.tools.compile_for --config configs/longclip_l.py --topology "$topo" --sweep \
-    --layouts "$layouts" --config.dtype=bfloat16 "${grid[@]}" --out "$out" 2>&1 | grep '^{' | sed "s/^/$topo /"
+    --layouts "$layouts" --config.dtype=bfloat16 "${grid[@]}" --out "$out" --hlo_dir "$hlo" 2>&1 | grep '^{' | sed "s/^/$topo /"
 }
 # The paper's global batch 128 on v5e-16 and v5p-32 chips, with and without the token term.
 run v5e:4x4 16x1x1 batch_size=128 grad_accum_steps=1 loss.token_weight=0,1
@@ -21,4 +23,5 @@ run v5e:4x4 16x1x1,4x4x1 batch_size=1024 grad_accum_steps=1 remat=full loss.toke
 run v5p:2x4x4 32x1x1 batch_size=8192 grad_accum_steps=4 remat=full loss.token_weight=0,1
 run v5e:4x4 16x1x1 batch_size=8192 grad_accum_steps=8 remat=full loss.token_weight=0,1
 run v5p:2x4x4 32x1x1 batch_size=32768 grad_accum_steps=16 remat=full loss.token_weight=1
-run v5p:2x4x4 32x1x1 batch_size=128 grad_accum_steps=1 remat=full loss.token_weight=1
+run v5p:2x4x4 32x1x1 batch_size=128 grad_accum_steps=1 remat=full,none loss.token_weight=1
+run v5e:4x4 16x1x1 batch_size=1024 grad_accum_steps=1 remat=none,full loss.token_weight=1

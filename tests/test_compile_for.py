@@ -105,6 +105,25 @@ TPU_COND = """
 OUTER = 'condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"8"}}'
 
 
+# Batched matmuls as TPU writes them: convolutions whose "spatial" dims are batch dims. (a) The window as large as
+# the lhs dilation (each output meets one real element per window); (b) a window over a padded input of extent 1.
+TPU_CONVS = """
+ENTRY %main (a: f32[8,4]) -> f32[16] {
+  %lhs = f32[2,3,4,1]{3,2,1,0} parameter(0)
+  %rhs = f32[1,6,4,5]{3,2,1,0} parameter(1)
+  %cv = f32[2,3,5,6]{3,2,1,0} convolution(%lhs, %rhs), window={size=1x5 pad=0_0x4_4 rhs_reversal=0x1}, dim_labels=0bf1_1oi0->0b1f
+  %dl = bf16[64,2,77,16]{2,3,1,0} convolution(bf16[1,1,7,64]{3,2,1,0} %p, bf16[64,2,7,16]{3,2,1,0} %q), window={size=64x2 stride=63x1 lhs_dilate=64x2}, dim_labels=01bf_01io->01bf
+  ROOT %r = f32[16]{0} copy(%x)
+}
+"""
+
+
+def test_tpu_batched_matmul_convolutions_count_only_real_elements():
+  """(a) 2 x 180 outputs x 4 features (one real element under the 1x5 window: counting the whole window gave 5x);
+  (b) 2 x 64·2·77·16 outputs x 64 features (window 64x2 = the lhs dilation: one element)."""
+  assert compile_for.matmul_flops(TPU_CONVS) == 2 * (2 * 3 * 5 * 6) * 4 + 2 * (64 * 2 * 77 * 16) * 64
+
+
 def test_tpu_loops_without_a_known_trip_count_use_their_condition_bound():
   assert OUTER in HLO
   tpu = TPU_COND + HLO.replace(OUTER, "condition=%tcond, body=%body")

@@ -35,6 +35,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
+import gzip  # noqa: E402
 import importlib.util  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
@@ -97,6 +98,8 @@ def define_flags() -> None:
   flags.DEFINE_multi_string("grid", [], "Sweep: KEY=V1,V2 over config keys (batch_size, remat, loss.chunk_size, "
                             "loss.token_weight, grad_accum_steps, ...); repeat the flag for more keys.")
   flags.DEFINE_string("out", "", "Sweep: append each row to this JSON-lines file as soon as it is compiled.")
+  flags.DEFINE_string("hlo_dir", "", "Sweep: also write each row's optimised program (gzipped HLO text) here, to "
+                      "recount FLOPs and collectives (matmul_flops, collective_stats) without recompiling.")
   flags.mark_flags_as_required(["config", "topology"])
 
 
@@ -264,20 +267,23 @@ def _contracted_size(line: str, shapes: dict):
     return None
   if dims is not None:
     return math.prod(lhs[int(i)] for i in dims.group(1).replace('"', "").split(",") if i.strip())
-  # A convolution (dim_labels e.g. bf_io->bf): the lhs feature size per group, times the window positions that
-  # meet a real input element, size / lhs_dilate per spatial dim (batched matmuls are written as convolutions
-  # whose "spatial" dims are batch dims with window = dilation, so they contribute 1).
+  # A convolution (dim_labels e.g. bf_io->bf): the lhs feature size per group, times, per spatial dim, the window
+  # positions that can meet a real input element: at most ceil(size / lhs_dilate), and never more than the input
+  # has (TPU writes batched matmuls as convolutions whose "spatial" dims are batch dims: a window as large as the
+  # dilation, or a window over a padded input of size 1 — each output meets one real element either way).
   labels = re.search(r"dim_labels=(\w+)_\w+->", line)
   if not labels:
     return None
+  lhs_labels = labels.group(1)
   groups = re.search(r"feature_group_count=(\d+)", line)
-  k = lhs[labels.group(1).index("f")] // (int(groups.group(1)) if groups else 1)
+  k = lhs[lhs_labels.index("f")] // (int(groups.group(1)) if groups else 1)
   window = re.search(r"window=\{([^}]*)\}", line)
   if window:
     size = [int(x) for x in re.search(r"size=([\dx]+)", window.group(1)).group(1).split("x")]
     dil = re.search(r"lhs_dilate=([\dx]+)", window.group(1))
     dil = [int(x) for x in dil.group(1).split("x")] if dil else [1] * len(size)
-    k *= math.prod(-(-a // b) for a, b in zip(size, dil))
+    extent = [lhs[lhs_labels.index(str(i))] if str(i) in lhs_labels else s for i, s in enumerate(size)]
+    k *= math.prod(min(-(-a // b), n) for a, b, n in zip(size, dil, extent))
   return k
 
 
@@ -443,10 +449,16 @@ def sweep(config, topology: str) -> list:
       node[leaf] = _typed(value, node[leaf])
     label = {"layout": "x".join(map(str, layout)), **{k: v for (k, _), v in zip(grid, combo)}}
     try:
-      r = compile_report(c, topology, devices)
+      r, compiled = compile_report(c, topology, devices, return_compiled=True)
       row = {**label, "fits": r["fits"], "total_GB": r["total_bytes"] / 1e9, "temp_GB": r["temp_bytes"] / 1e9,
              "TFLOP": r["flops_per_chip"] / 1e12, "collective_GB": r["collective_bytes"] / 1e9,
              "est_step_ms": r["est_step_s"] * 1e3, "compile_s": r["compile_s"]}
+      if FLAGS.hlo_dir:  # the optimised program, so its FLOPs / collectives can be recounted without recompiling
+        os.makedirs(FLAGS.hlo_dir, exist_ok=True)
+        name = topology.replace(":", "_") + "_" + "_".join(f"{k}={v}" for k, v in label.items()) + ".hlo.gz"
+        with gzip.open(os.path.join(FLAGS.hlo_dir, name), "wt") as f:
+          f.write(compiled.as_text())
+        row["hlo"] = name
     except (ValueError, FileNotFoundError) as e:  # a layout this model or batch cannot use
       row = {**label, "fits": False, "error": str(e)[:160]}
     rows.append(row)
