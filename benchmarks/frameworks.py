@@ -31,7 +31,8 @@ def program_for(cfg, framework: str, batch: int):
   config = config_lib.base_config()
   config.framework, config.batch_size, config.total_steps = framework, batch, 1000
   config.optimizer.warmup_steps = 1
-  config.finelip.ramp_steps = 0  # the hinge at full weight (the same program either way)
+  if framework == "finelip":
+    config.finelip.ramp_steps = 0  # the hinge at full weight (the same program either way)
   config.diagnostics.log = False
   model_cfg = dataclasses.replace(cfg, **config_lib.framework_fields(config)).validate()
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])

@@ -27,13 +27,16 @@ from PIL import Image
 
 from hnclip_jax.cli import clean_errors
 
-flags.DEFINE_string("model", None, "Model whose similarity matches boxes to sentences (hnclip_jax.pretrained.load).")
-flags.DEFINE_string("manual_dir", None, "Folder the entries' filenames are relative to.")
-flags.DEFINE_string("boxes", None, "pairs-layout JSON list whose entries have 'boxes'.")
-flags.DEFINE_string("out", None, "Where to write the list with 'segments'.")
-flags.DEFINE_float("min_score", -1.0, "Drop boxes whose best sentence scores below this cosine.")
-flags.DEFINE_enum("on_bad_box", "error", ["error", "skip"], "A malformed or out-of-image box: stop, or skip it.")
-flags.mark_flags_as_required(["model", "manual_dir", "boxes", "out"])
+def define_flags() -> None:
+  """The command's flags (defined only when run as a program, so importing the module defines none)."""
+  flags.DEFINE_string("model", None, "Model whose similarity matches boxes to sentences (hnclip_jax.pretrained.load).")
+  flags.DEFINE_string("manual_dir", None, "Folder the entries' filenames are relative to.")
+  flags.DEFINE_string("boxes", None, "pairs-layout JSON list whose entries have 'boxes'.")
+  flags.DEFINE_string("out", None, "Where to write the list with 'segments'.")
+  flags.DEFINE_float("min_score", -1.0, "Drop boxes whose best sentence scores below this cosine.")
+  flags.DEFINE_enum("on_bad_box", "error", ["error", "skip"], "A malformed or out-of-image box: stop, or skip it.")
+  flags.mark_flags_as_required(["model", "manual_dir", "boxes", "out"])
+
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
@@ -131,4 +134,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
