@@ -21,7 +21,6 @@ import math
 import os
 import re
 
-import numpy as np
 from absl import app, flags
 from PIL import Image
 
