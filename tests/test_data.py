@@ -18,14 +18,14 @@ def test_generator_is_deterministic_and_described():
   c = list(synthetic.generate(24, 4, 32, seed=4))
   assert [x[1] for x in a] == [x[1] for x in b] and [x[2] for x in a] == [x[2] for x in b]
   assert [x[2] for x in a] != [x[2] for x in c]
-  for _, png, cap, _ in a:
+  for _, png, cap, _, _ in a:
     assert len(cap.split()) >= 40
     img = np.asarray(Image.open(io.BytesIO(png)))
     assert img.shape == (32, 32, 3)
     # Every object is named with its colour and shape; the image shows each colour.
     sentences = [s for s in cap.split(". ") if s.startswith("In the ")]
     assert len(sentences) in (3, 4)
-    assert len(set(cap for _, _, cap, _ in a)) == len(a)  # no exact duplicates
+    assert len(set(cap for _, _, cap, *_ in a)) == len(a)  # no exact duplicates
 
 
 def test_short_captions_are_alt_text_over_the_dense_vocabulary():
@@ -34,17 +34,17 @@ def test_short_captions_are_alt_text_over_the_dense_vocabulary():
   short = list(synthetic.generate(400, 1, 32, seed=5, captions="short"))
   dense = list(synthetic.generate(400, 1, 32, seed=5))
   assert [x[1] for x in short] == [x[1] for x in dense]  # the captions change, not the scenes
-  words = [len(cap.replace(",", " ").split()) for _, _, cap, _ in short]
+  words = [len(cap.replace(",", " ").split()) for _, _, cap, *_ in short]
   assert max(words) <= 14 and np.mean(words) < 8, (max(words), np.mean(words))
-  assert len({cap for _, _, cap, _ in short}) > 300 and len(set(g for *_, g in short)) == 400
+  assert len({cap for _, _, cap, *_ in short}) > 300 and len(set(x[3] for x in short)) == 400
   rng = np.random.default_rng(0)
   for _ in range(50):
     scene = tuple(synthetic._random_obj(rng, c) for c in rng.choice(9, 3, replace=False))
     cap = synthetic.short_caption(scene, rng)
     named = [(c, s) for c in synthetic.COLORS for s in synthetic.SHAPES if f"{c} {s}" in cap]
     assert 1 <= len(named) <= 2 and all(any((o.color, o.shape) == n for o in scene) for n in named), cap
-  tok = WordTokenizer.fit([cap for _, _, cap, _ in short], context_length=80)
-  dense_words = {w.strip(".:,;").lower() for _, _, cap, _ in dense for w in cap.split()}
+  tok = WordTokenizer.fit([cap for _, _, cap, *_ in short], context_length=80)
+  dense_words = {w.strip(".:,;").lower() for _, _, cap, *_ in dense for w in cap.split()}
   unknown = [w for w in dense_words if tok([w])[0, 1] == 1]  # id 1 is <unk>
   assert not unknown, unknown
   with pytest.raises(ValueError, match="captions='long'"):
@@ -62,7 +62,7 @@ def _word_diff(a, b):
 def test_near_duplicate_groups():
   ex = list(synthetic.generate(200, 4, 32, seed=0))
   groups = {}
-  for _, _, cap, g in ex:
+  for _, _, cap, g, _ in ex:
     groups.setdefault(g, []).append(cap)
   within = [_word_diff(a, b) for caps in groups.values() for i, a in enumerate(caps) for b in caps[i + 1:]]
   across = [_word_diff(groups[g][0], groups[g + 1][0]) for g in range(len(groups) - 1)]
@@ -87,7 +87,7 @@ def test_builder_round_trip(data_cfg):
   train = builders.data_source(data_cfg, "train")
   test = builders.data_source(data_cfg, "test", decode_images=False)
   assert len(train) == 48 and len(test) == 20
-  want = {i: (png, cap) for i, png, cap, _ in synthetic.generate(48, 4, 32, seed=7)}
+  want = {i: (png, cap) for i, png, cap, *_ in synthetic.generate(48, 4, 32, seed=7)}
   for k in range(len(train)):
     ex = train[k]
     png, cap = want[int(ex["image_id"])]

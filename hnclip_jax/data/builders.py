@@ -25,7 +25,8 @@ class SyntheticConfig(tfds.core.BuilderConfig):
 class HnclipSynthetic(tfds.core.GeneratorBasedBuilder):
   """Procedural dense-caption scenes with near-duplicate groups (see `synthetic.py`)."""
 
-  VERSION = tfds.core.Version("1.0.0")
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES = {"1.1.0": "exact segments: every object's box and the caption sentence that describes it"}
   BUILDER_CONFIGS = [SyntheticConfig(name="default")]
 
   def _info(self):
@@ -38,6 +39,7 @@ class HnclipSynthetic(tfds.core.GeneratorBasedBuilder):
             "caption": tfds.features.Text(),
             "image_id": np.int64,
             "group_id": np.int64,
+            "segments": manual.SEGMENTS_FEATURE,
         }))
 
   def _split_generators(self, dl_manager):
@@ -48,8 +50,9 @@ class HnclipSynthetic(tfds.core.GeneratorBasedBuilder):
 
   def _generate_examples(self, n, seed):
     c = self.builder_config
-    for image_id, png, cap, group in synthetic.generate(n, c.group_size, c.image_size, seed, c.captions):
-      yield image_id, {"image": png, "caption": cap, "image_id": image_id, "group_id": group}
+    for image_id, png, cap, group, segments in synthetic.generate(n, c.group_size, c.image_size, seed, c.captions):
+      yield image_id, {"image": png, "caption": cap, "image_id": image_id, "group_id": group,
+                       "segments": manual.segments_feature_value(segments)}
 
 
 def _synthetic_config(d) -> SyntheticConfig:

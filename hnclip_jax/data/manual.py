@@ -13,8 +13,10 @@ import glob
 import hashlib
 import io
 import json
+import math
 import os
 
+import numpy as np
 import tensorflow_datasets as tfds
 from PIL import Image
 
@@ -48,6 +50,66 @@ class BadExample(ValueError):
   pass
 
 
+# Per-example segments (GOAL, StructXLIP): a region box of the image in original-image pixels [x0, y0, x1, y1]
+# (x right, y down), the caption sentence that describes it, and how well they match (a cosine from
+# tools/match_segments, 1.0 for exact ones). Stored as a sequence: {"box": [n, 4], "sentence": [n], "score": [n]}.
+SEGMENTS_FEATURE = tfds.features.Sequence({"box": tfds.features.Tensor(shape=(4,), dtype=np.float32),
+                                           "sentence": tfds.features.Text(), "score": np.float32})
+
+
+def segments_feature_value(segments) -> dict:
+  """A list of {"box", "sentence", "score"} (already checked) -> the SEGMENTS_FEATURE value."""
+  return {"box": np.asarray([s["box"] for s in segments], np.float32).reshape(-1, 4),
+          "sentence": [s["sentence"] for s in segments],
+          "score": np.asarray([s["score"] for s in segments], np.float32)}
+
+
+def check_box(box, width: int, height: int, where: str) -> tuple:
+  """[x0, y0, x1, y1] in pixels -> the box clipped to the image; BadExample naming `where` if it is not 4 finite
+  numbers with x1 > x0 and y1 > y0, or does not overlap the image."""
+  if not (isinstance(box, (list, tuple, np.ndarray)) and len(box) == 4 and all(
+      isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool) and math.isfinite(v)
+      for v in box)):
+    raise BadExample(f"{where}: box {box!r} is not [x0, y0, x1, y1] (four finite numbers, pixels)")
+  x0, y0, x1, y1 = (float(v) for v in box)
+  if not (x1 > x0 and y1 > y0):
+    raise BadExample(f"{where}: box {box!r} is empty or reversed (need x1 > x0 and y1 > y0)")
+  cx0, cy0, cx1, cy1 = max(x0, 0.0), max(y0, 0.0), min(x1, float(width)), min(y1, float(height))
+  if not (cx1 > cx0 and cy1 > cy0):
+    raise BadExample(f"{where}: box {box!r} lies outside the {width}x{height} image")
+  return cx0, cy0, cx1, cy1
+
+
+def crop_box(image: Image.Image, box) -> Image.Image:
+  """The pixels under `box` (already checked and clipped), rounded outward to whole pixels."""
+  x0, y0, x1, y1 = (float(v) for v in box)
+  return image.crop((int(math.floor(x0)), int(math.floor(y0)), int(math.ceil(x1)), int(math.ceil(y1))))
+
+
+def check_segments(segments, where: str) -> list:
+  """The "segments" field of a `pairs` entry -> a list of {"box", "sentence", "score"}; BadExample naming the
+  entry and segment when it is not a list of objects with a box (4 finite numbers, x1 > x0, y1 > y0), a non-empty
+  sentence and, optionally, a finite score (default 1.0). Whether a box lies on its image is checked when the
+  image is read (`check_box`)."""
+  if not isinstance(segments, list):
+    raise BadExample(f"{where}: 'segments' must be a list of {{'box': [x0, y0, x1, y1], 'sentence': ..., "
+                     f"'score': ...}} objects, got {type(segments).__name__}")
+  out = []
+  for j, seg in enumerate(segments):
+    w = f"{where} segments[{j}]"
+    if not isinstance(seg, dict) or "box" not in seg or "sentence" not in seg:
+      raise BadExample(f"{w}: needs 'box' ([x0, y0, x1, y1], pixels) and 'sentence'")
+    check_box(seg["box"], math.inf, math.inf, w)
+    if not isinstance(seg["sentence"], str) or not seg["sentence"].strip():
+      raise BadExample(f"{w}: 'sentence' must be a non-empty string")
+    score = seg.get("score", 1.0)
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+      raise BadExample(f"{w}: 'score' {score!r} is not a finite number")
+    out.append({"box": [float(v) for v in seg["box"]], "sentence": " ".join(seg["sentence"].split()),
+                "score": float(score)})
+  return out
+
+
 @dataclasses.dataclass
 class ManualConfig(tfds.core.BuilderConfig):
   on_bad_example: str = "error"  # "error" | "skip"
@@ -60,6 +122,7 @@ class Pair:
   caption: object  # str, or bytes to be decoded (checked); HnclipPairs: a list of (caption, where)
   where: str  # file:line, for error messages
   split: str = "train"
+  segments: object = None  # HnclipPairs: a checked list of {"box", "sentence", "score"}, or None (not given)
 
 
 def _read_text(path: str, where: str) -> str:
@@ -285,25 +348,40 @@ exist for N = 1..1000."""
 class HnclipPairs(_ManualPairs):
   """Any folder of images with one or more captions each, listed in pairs.json (a JSON list) or pairs.jsonl."""
 
-  VERSION = tfds.core.Version("2.0.0")
-  RELEASE_NOTES = {"2.0.0": "several captions per image: the feature 'captions' (a list) replaces 'caption'"}
+  VERSION = tfds.core.Version("3.0.0")
+  RELEASE_NOTES = {"2.0.0": "several captions per image: the feature 'captions' (a list) replaces 'caption'",
+                   "3.0.0": "per-image segments (box, sentence, score) for GOAL / StructXLIP: the feature 'segments'"}
   MANUAL_DOWNLOAD_INSTRUCTIONS = """\
 Put pairs.json (a JSON list) or pairs.jsonl (one object per line) in MANUAL_DIR; each entry is
 {"filename": "relative/path.jpg", "caption": "...", "split": "train"} with filenames relative to MANUAL_DIR.
 An image with several captions (COCO, Flickr30k) has either one entry with "captions": ["...", "..."] or one entry
 per caption repeating its "filename" (both may be mixed; captions keep their order). "split" is optional
-(default "train"); an image belongs to one split. Images must be JPEG or PNG."""
+(default "train"); an image belongs to one split. Images must be JPEG or PNG.
+Segments (for config.framework="goal" / "structxlip"): an entry may carry "segments": [{"box": [x0, y0, x1, y1],
+"sentence": "...", "score": 0.31}, ...] with the box in original-image pixels (x right, y down), the caption
+sentence that describes it and, optionally, a match score (default 1.0; the best-scoring segment is used).
+python -m hnclip_jax.tools.match_segments writes this field from any segmenter's boxes (docs/frameworks.md). When
+any entry has segments, every image must have the field ("segments": [] for an image with none)."""
 
   def _info(self):
     return tfds.core.DatasetInfo(
         builder=self, description=self.__doc__,
         features=tfds.features.FeaturesDict({"image": tfds.features.Image(),
                                              "captions": tfds.features.Sequence(tfds.features.Text()),
-                                             "image_id": tfds.features.Text()}))
+                                             "image_id": tfds.features.Text(),
+                                             "segments": SEGMENTS_FEATURE}))
 
   def _example(self, p: Pair) -> dict:
     captions = [_decode_caption(c, w) for c, w in p.caption]
-    return {"image": _image_bytes(p.image_path, p.where), "captions": captions, "image_id": p.image_id}
+    data = _image_bytes(p.image_path, p.where)
+    segments = p.segments or []
+    if segments:
+      with Image.open(io.BytesIO(data)) as im:
+        width, height = im.size
+      for j, seg in enumerate(segments):
+        check_box(seg["box"], width, height, f"{p.where} segments[{j}] (image {p.image_path})")
+    return {"image": data, "captions": captions, "image_id": p.image_id,
+            "segments": segments_feature_value(segments)}
 
   def _pairs(self, manual_dir):
     js, jl = os.path.join(manual_dir, "pairs.json"), os.path.join(manual_dir, "pairs.jsonl")
@@ -336,6 +414,11 @@ per caption repeating its "filename" (both may be mixed; captions keep their ord
       if not isinstance(caps, list) or not caps:
         self._bad(BadExample(f"{where}: 'captions' must be a non-empty list of strings"))
         continue
+      try:
+        segments = check_segments(r["segments"], where) if "segments" in r else None
+      except BadExample as e:
+        self._bad(e)
+        continue
       split = r.get("split", "train")
       p = images.get(r["filename"])
       if p is None:
@@ -345,8 +428,15 @@ per caption repeating its "filename" (both may be mixed; captions keep their ord
                              f"{p.where}; an image belongs to one split"))
         continue
       p.caption += [(c, f"{where} caption {j}" if len(caps) > 1 else where) for j, c in enumerate(caps)]
+      if segments is not None:  # an image listed once per caption may give its segments in any of its entries
+        p.segments = (p.segments or []) + segments
+    with_segments = [p for p in images.values() if p.segments is not None]
     splits = {}
     for p in images.values():
+      if with_segments and p.segments is None:
+        self._bad(BadExample(f"{p.where}: image {p.image_id!r} has no 'segments', but other entries do (first: "
+                             f"{with_segments[0].where}); give every image the field ('segments': [] for none)"))
+        continue
       splits.setdefault(p.split, []).append(p)
     return splits
 
@@ -387,8 +477,8 @@ class _Karpathy(HnclipPairs):
 class HnclipCoco(_Karpathy):
   """MS-COCO captions, Karpathy splits (113,287 train+restval / 5,000 val / 5,000 test images, 5 captions each)."""
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {}
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES = {"1.1.0": "the (empty) 'segments' feature of the pairs layout"}
   JSON = "dataset_coco.json"
   MANUAL_DOWNLOAD_INSTRUCTIONS = """\
 MANUAL_DIR must hold Karpathy's split file and COCO 2014's images:
@@ -401,8 +491,8 @@ Each entry's "filepath" (train2014 / val2014) and "filename" name its image."""
 class HnclipFlickr30k(_Karpathy):
   """Flickr30k, Karpathy splits (29,000 train / 1,014 val / 1,000 test images, 5 captions each)."""
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {}
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES = {"1.1.0": "the (empty) 'segments' feature of the pairs layout"}
   JSON = "dataset_flickr30k.json"
   DEFAULT_FOLDER = "flickr30k-images"
   MANUAL_DOWNLOAD_INSTRUCTIONS = """\

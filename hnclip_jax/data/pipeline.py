@@ -1,9 +1,13 @@
 """grain input pipelines: deterministic, resumable training batches and padded eval batches."""
 from __future__ import annotations
 
+import re
+
 import grain
 import numpy as np
 from PIL import Image
+
+from hnclip_jax.data import manual
 
 # OpenAI CLIP's pixel statistics (RGB, [0, 1] scale).
 CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
@@ -54,22 +58,108 @@ def caption_choice(seed: int, step: int, index: int, num_captions: int) -> int:
   return int(np.random.default_rng([seed, step, index]).integers(num_captions))
 
 
+# ---- Segments (config.framework="goal"): a box of the image and the caption sentence describing it ----
+SEGMENT_KEYS = ("seg_image", "seg_tokens", "seg_patches", "seg_span", "seg_valid")
+
+
+def segments_of(ex) -> list[dict]:
+  """An example's segments as [{"box": [4] float, "sentence": str, "score": float}] ([] when it has none)."""
+  seg = ex.get("segments")
+  if seg is None or not len(seg["sentence"]):
+    return []
+  boxes = np.asarray(seg["box"], np.float32).reshape(-1, 4)
+  return [{"box": boxes[j], "sentence": _text(seg["sentence"][j]), "score": float(seg["score"][j])}
+          for j in range(len(boxes))]
+
+
+def segment_choice(segments, seed: int, step: int, index: int) -> int:
+  """Which segment training uses at `step`: the best-scoring one (GOAL's choice); ties (exact segments all score
+  1) are broken uniformly at random, a pure function of (seed, step, example)."""
+  scores = np.asarray([s["score"] for s in segments])
+  best = np.flatnonzero(scores == scores.max())
+  return int(best[0] if len(best) == 1 else best[np.random.default_rng([seed, step, index, 1]).integers(len(best))])
+
+
+def locate_sentence(caption: str, sentence: str):
+  """(start, end) characters of `sentence` in `caption` (white space and letter case may differ), or None."""
+  i = caption.find(sentence)
+  if i >= 0:
+    return i, i + len(sentence)
+  words = sentence.split()
+  if not words:
+    return None
+  m = re.search(r"\s+".join(re.escape(w) for w in words), caption, flags=re.IGNORECASE)
+  return (m.start(), m.end()) if m else None
+
+
+def box_to_patches(box, width: int, height: int, image_size: int, patch_size: int) -> np.ndarray:
+  """float32 [g*g] (g = image_size // patch_size, row-major like the patch tokens): 1 on the patches a box of the
+  original width x height image covers after `resize_center_crop` to image_size (the same resize and crop as the
+  image); all 0 when the crop cut the box away."""
+  if width <= height:
+    new_w, new_h = image_size, int(image_size * height / width)
+  else:
+    new_w, new_h = int(image_size * width / height), image_size
+  left, top = (new_w - image_size) // 2, (new_h - image_size) // 2
+  x0, y0, x1, y1 = (float(v) for v in box)
+  x0, x1 = x0 * new_w / width - left, x1 * new_w / width - left
+  y0, y1 = y0 * new_h / height - top, y1 * new_h / height - top
+  g = image_size // patch_size
+  c0, c1 = max(int(np.floor(x0 / patch_size)), 0), min(int(np.ceil(x1 / patch_size)), g)
+  r0, r1 = max(int(np.floor(y0 / patch_size)), 0), min(int(np.ceil(y1 / patch_size)), g)
+  mask = np.zeros((g, g), np.float32)
+  if c1 > c0 and r1 > r0:
+    mask[r0:r1, c0:c1] = 1.0
+  return mask.reshape(-1)
+
+
+def segment_inputs(ex, caption: str, tokenizer, image_size: int, patch_size: int, seed: int, step: int,
+                   index: int) -> dict:
+  """The GOAL inputs of one example: its chosen segment's crop ("seg_image", CLIP-preprocessed like any image),
+  sentence tokens ("seg_tokens"), the patches under its box ("seg_patches" [g*g]), the positions of the sentence
+  among the caption's tokens ("seg_span" [L], 0 where the sentence is not in this caption or was truncated) and
+  "seg_valid" (False for an example without segments: every segment term leaves it out)."""
+  g, length = image_size // patch_size, tokenizer.context_length
+  segments = segments_of(ex)
+  if not segments:
+    return {"seg_image": np.zeros((image_size, image_size, 3), np.float32), "seg_tokens": tokenizer([""])[0],
+            "seg_patches": np.zeros(g * g, np.float32), "seg_span": np.zeros(length, np.float32),
+            "seg_valid": np.bool_(False)}
+  seg = segments[segment_choice(segments, seed, step, index)]
+  image = ex["image"] if isinstance(ex["image"], Image.Image) else Image.fromarray(np.asarray(ex["image"]).squeeze())
+  image = image.convert("RGB")
+  box = manual.check_box(list(seg["box"]), image.width, image.height, f"example {index} segment")
+  span = np.zeros(length, np.float32)
+  where = locate_sentence(caption, seg["sentence"])
+  if where is not None:
+    span[tokenizer.span_positions(caption, *where)] = 1.0
+  return {"seg_image": clip_preprocess(manual.crop_box(image, box), image_size),
+          "seg_tokens": tokenizer([seg["sentence"]])[0],
+          "seg_patches": box_to_patches(box, image.width, image.height, image_size, patch_size),
+          "seg_span": span, "seg_valid": np.bool_(True)}
+
+
 class _Preprocess(grain.transforms.Map):
 
-  def __init__(self, tokenizer, image_size):
-    self.tokenizer, self.image_size = tokenizer, image_size
+  def __init__(self, tokenizer, image_size, patch_size: int = 0):
+    self.tokenizer, self.image_size, self.patch_size = tokenizer, image_size, patch_size
 
-  def map(self, ex, caption: int = 0):
-    return {"image": clip_preprocess(ex["image"], self.image_size),
-            "tokens": self.tokenizer([captions_of(ex)[caption]])[0]}
+  def map(self, ex, caption: int = 0, seed: int = 0, step: int = 0, index: int = 0):
+    text = captions_of(ex)[caption]
+    out = {"image": clip_preprocess(ex["image"], self.image_size), "tokens": self.tokenizer([text])[0]}
+    if self.patch_size:
+      out.update(segment_inputs(ex, text, self.tokenizer, self.image_size, self.patch_size, seed, step, index))
+    return out
 
 
 class _LoadRows(grain.transforms.MapWithIndex):
   """(step, global batch of example indices) -> this process's rows, read and preprocessed, stacked. An image
-  with several captions contributes the one `caption_choice` picks for this step."""
+  with several captions contributes the one `caption_choice` picks for this step; with `patch_size`, also the
+  segment inputs (`segment_inputs`) of the segment `segment_choice` picks."""
 
-  def __init__(self, source, tokenizer, image_size, rows: slice, seed: int):
-    self.source, self.pre, self.rows, self.seed = source, _Preprocess(tokenizer, image_size), rows, seed
+  def __init__(self, source, tokenizer, image_size, rows: slice, seed: int, patch_size: int = 0):
+    self.source, self.rows, self.seed = source, rows, seed
+    self.pre = _Preprocess(tokenizer, image_size, patch_size)
 
   def map_with_index(self, step, indices):
     mine = indices[self.rows]
@@ -77,14 +167,15 @@ class _LoadRows(grain.transforms.MapWithIndex):
     for i in mine:
       ex = self.source[int(i)]
       n = len(ex["captions"]) if "captions" in ex else 1
-      items.append(self.pre.map(ex, caption_choice(self.seed, step, int(i), n)))
+      items.append(self.pre.map(ex, caption_choice(self.seed, step, int(i), n), self.seed, step, int(i)))
     out = {k: np.stack([it[k] for it in items]) for k in items[0]}
     out["index"] = np.asarray(mine, np.int64)  # record index in the source: which examples this batch holds
     return out
 
 
 def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed: int, start_step: int = 0,
-                  process_index: int = 0, process_count: int = 1, workers: int = 0, prefetch: int = 4):
+                  process_index: int = 0, process_count: int = 1, workers: int = 0, prefetch: int = 4,
+                  segment_patch_size: int = 0):
   """Infinite iterator of this process's batches: image f32 [b,H,W,3], tokens int32 [b,L], b = global_batch / processes.
 
   The global batch order is shuffled per epoch from `seed` and does not depend on
@@ -92,7 +183,8 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
   hosts read it, each host reading only its own rows. Batch k is a pure function
   of (seed, k), so `start_step` resumes the exact stream of an uninterrupted run.
   An image with several captions appears once per batch, with the caption
-  `caption_choice(seed, k, index)` picks.
+  `caption_choice(seed, k, index)` picks. segment_patch_size > 0 (the model's patch size; GOAL) adds each row's
+  segment inputs (SEGMENT_KEYS, `segment_inputs`).
   """
   if global_batch % process_count:
     raise ValueError(f"config.batch_size={global_batch} is not divisible by the {process_count} processes")
@@ -102,7 +194,7 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
                      "lower config.batch_size")
   rows = slice(process_index * local, (process_index + 1) * local)
   ds = (grain.MapDataset.range(len(source)).shuffle(seed=seed).batch(global_batch, drop_remainder=True)
-        .repeat().map_with_index(_LoadRows(source, tokenizer, image_size, rows, seed))[start_step:])
+        .repeat().map_with_index(_LoadRows(source, tokenizer, image_size, rows, seed, segment_patch_size))[start_step:])
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, prefetch), prefetch_buffer_size=prefetch))
   if workers > 0:
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))

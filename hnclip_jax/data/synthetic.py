@@ -63,11 +63,16 @@ def _mutate(rng, scene):
 NUMBER_WORDS = {3: "three", 4: "four"}
 
 
+def object_sentence(o) -> str:
+  """The caption's sentence about one object (a segment's sentence)."""
+  return f"In the {CELLS[o.cell]} there is a {o.size} {o.color} {o.shape}."
+
+
 def caption(scene) -> str:
   """A long caption (40+ words) that describes every object, in reading order."""
   parts = [f"This picture shows {NUMBER_WORDS[len(scene)]} simple shapes drawn on a plain gray background."]
   for o in scene:
-    parts.append(f"In the {CELLS[o.cell]} there is a {o.size} {o.color} {o.shape}.")
+    parts.append(object_sentence(o))
   parts.append("Nothing else appears in the scene and all shapes are flat and clearly separated.")
   return " ".join(parts)
 
@@ -95,33 +100,47 @@ def short_caption(scene, rng) -> str:
 
 def render(scene, image_size, rng) -> np.ndarray:
   """Draws the scene: uint8 [image_size, image_size, 3]. `rng` jitters positions and adds mild noise."""
+  return render_with_boxes(scene, image_size, rng)[0]
+
+
+def render_with_boxes(scene, image_size, rng):
+  """(`render`'s image, each object's bounding box [x0, y0, x1, y1] in image pixels, in scene order: the exact
+  extent of the drawn shape, x right and y down, as segment boxes are given)."""
   scale = 4  # draw large, then downsample: anti-aliased edges
   side = image_size * scale
   img = Image.new("RGB", (side, side), BACKGROUND)
   draw = ImageDraw.Draw(img)
   cell = side / 3
+  boxes = []
   for o in scene:
     r = cell * (0.42 if o.size == "large" else 0.22)
     cx = (o.cell % 3 + 0.5) * cell + rng.uniform(-0.08, 0.08) * cell
     cy = (o.cell // 3 + 0.5) * cell + rng.uniform(-0.08, 0.08) * cell
     col = COLORS[o.color]
     if o.shape == "circle":
-      draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=col)
+      box = [cx - r, cy - r, cx + r, cy + r]
+      draw.ellipse(box, fill=col)
     elif o.shape == "square":
       s = r * 0.85
-      draw.rectangle([cx - s, cy - s, cx + s, cy + s], fill=col)
+      box = [cx - s, cy - s, cx + s, cy + s]
+      draw.rectangle(box, fill=col)
     elif o.shape == "triangle":
+      box = [cx - r, cy - r, cx + r, cy + r * 0.8]
       draw.polygon([(cx, cy - r), (cx - r, cy + r * 0.8), (cx + r, cy + r * 0.8)], fill=col)
     else:
+      box = [cx - r, cy - r, cx + r, cy + r]
       draw.polygon([(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)], fill=col)
+    boxes.append([float(v) / scale for v in box])  # drawn at `scale`x, then resized: pixel edges scale exactly
   arr = np.asarray(img.resize((image_size, image_size), Image.BILINEAR), dtype=np.float32)
   arr += rng.normal(0.0, 4.0, arr.shape)
-  return np.clip(arr, 0, 255).astype(np.uint8)
+  return np.clip(arr, 0, 255).astype(np.uint8), boxes
 
 
 def generate(num_examples: int, group_size: int, image_size: int, seed: int, captions: str = "dense"):
-  """Yields (image_id, png_bytes, caption, group_id) for `num_examples` scenes, deterministic in `seed`; captions
-  "dense" (`caption`) or "short" (`short_caption`)."""
+  """Yields (image_id, png_bytes, caption, group_id, segments) for `num_examples` scenes, deterministic in `seed`;
+  captions "dense" (`caption`) or "short" (`short_caption`). segments: one per object, {"box": its exact bounding
+  box in pixels, "sentence": `object_sentence` (a sentence of the dense caption), "score": 1.0} (GOAL's and
+  StructXLIP's segments, exact rather than matched)."""
   if num_examples <= 0 or group_size <= 0 or image_size <= 0:
     raise ValueError(f"synthetic data sizes must be positive, got num_examples={num_examples}, "
                      f"group_size={group_size}, image_size={image_size}")
@@ -150,7 +169,10 @@ def generate(num_examples: int, group_size: int, image_size: int, seed: int, cap
       if count == num_examples:
         break
       buf = io.BytesIO()
-      Image.fromarray(render(scene, image_size, rng)).save(buf, format="PNG")
-      yield count, buf.getvalue(), caption(scene) if captions == "dense" else short_caption(scene, text_rng), group
+      image, boxes = render_with_boxes(scene, image_size, rng)
+      Image.fromarray(image).save(buf, format="PNG")
+      segments = [{"box": box, "sentence": object_sentence(o), "score": 1.0} for o, box in zip(scene, boxes)]
+      text = caption(scene) if captions == "dense" else short_caption(scene, text_rng)
+      yield count, buf.getvalue(), text, group, segments
       count += 1
     group += 1

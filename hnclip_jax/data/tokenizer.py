@@ -55,6 +55,14 @@ class PackedTokenizer:
     """Token ids without start/end tokens, padding or truncation."""
     return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
+  def span_positions(self, text: str, start: int, end: int) -> np.ndarray:
+    """Positions in `text`'s packed row (start token at 0) of the tokens that overlap characters [start, end) of
+    `text`, within the context (truncated tokens are left out): where a sentence of a caption sits among its
+    tokens. int64 [k], possibly empty."""
+    enc = self._tok.encode(text, add_special_tokens=False)
+    keep = self.context_length - 2  # `pack` keeps the first context_length - 2 tokens
+    return np.asarray([k + 1 for k, (a, b) in enumerate(enc.offsets[:keep]) if a < end and b > start], np.int64)
+
   def __call__(self, texts: Sequence[str]) -> np.ndarray:
     """texts: N strings -> int32 [N, context_length]."""
     if isinstance(texts, str):

@@ -17,7 +17,6 @@ A box that is malformed or lies outside its image stops the tool naming the entr
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 
@@ -25,6 +24,7 @@ from absl import app, flags
 from PIL import Image
 
 from hnclip_jax.cli import clean_errors
+from hnclip_jax.data.manual import BadExample as BadBox, check_box, crop_box as crop
 
 def define_flags() -> None:
   """The command's flags (defined only when run as a program, so importing the module defines none)."""
@@ -40,34 +40,9 @@ def define_flags() -> None:
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
-class BadBox(ValueError):
-  pass
-
-
 def split_sentences(text: str) -> list[str]:
   """A caption's sentences (split after . ! or ? followed by white space), stripped, empty ones dropped."""
   return [s.strip() for s in _SENTENCE_END.split(text.strip()) if s.strip()]
-
-
-def check_box(box, width: int, height: int, where: str) -> tuple:
-  """[x0, y0, x1, y1] in pixels -> the box clipped to the image; BadBox naming `where` if it is not 4 finite
-  numbers with x1 > x0 and y1 > y0, or does not overlap the image."""
-  if not (isinstance(box, (list, tuple)) and len(box) == 4 and all(
-      isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in box)):
-    raise BadBox(f"{where}: box {box!r} is not [x0, y0, x1, y1] (four finite numbers, pixels)")
-  x0, y0, x1, y1 = (float(v) for v in box)
-  if not (x1 > x0 and y1 > y0):
-    raise BadBox(f"{where}: box {box!r} is empty or reversed (need x1 > x0 and y1 > y0)")
-  cx0, cy0, cx1, cy1 = max(x0, 0.0), max(y0, 0.0), min(x1, float(width)), min(y1, float(height))
-  if not (cx1 > cx0 and cy1 > cy0):
-    raise BadBox(f"{where}: box {box!r} lies outside the {width}x{height} image")
-  return cx0, cy0, cx1, cy1
-
-
-def crop(image: Image.Image, box: tuple) -> Image.Image:
-  """The pixels under `box` (already checked), rounded outward to whole pixels."""
-  x0, y0, x1, y1 = box
-  return image.crop((int(math.floor(x0)), int(math.floor(y0)), int(math.ceil(x1)), int(math.ceil(y1))))
 
 
 def captions_of(entry: dict) -> list[str]:
