@@ -3,6 +3,7 @@
   python train.py --config configs/longclip_l.py:DATASET --config.init_from=/path/to/longclip-L.pt --workdir DIR
   python train.py --config configs/longclip_l.py:DATASET,lora ...     # or ,dora: the paper's PEFT variants
   python train.py --config configs/longclip_l.py:DATASET,finelip ...  # a plug-in framework (docs/frameworks.md)
+  python train.py --config configs/longclip_l.py:DATASET,goal ...     # (needs segments in the data)
 
 LoRA / DoRA variants (paper): rank 16 adapters on every attention projection and MLP layer of both towers, the
 backbone frozen, lr 5e-5 (alpha = rank, i.e. scale 1: the paper does not give alpha).
@@ -22,7 +23,7 @@ TRAIN_PAIRS = {"docci": 9450, "dci": 5445, "long_dci": 5445, "urban1k": 14579, "
 
 
 METHODS = ("full", "lora", "dora")
-FRAMEWORKS = ("longclip", "finelip")
+FRAMEWORKS = ("longclip", "finelip", "goal")
 
 
 def get_config(variant: str = "synthetic"):
@@ -71,4 +72,17 @@ def get_config(variant: str = "synthetic"):
     c.optimizer.warmup_steps = 200
     c.total_steps = 6 * TRAIN_PAIRS[dataset] // c.batch_size
     c.checkpoint_every = c.eval_every = max(1, c.total_steps // 6)
+  if framework == "goal":
+    # GOAL's released recipe (PerceptualAI-Lab/GOAL goal_loss_finetuning.py): batch 16, AdamW lr 5e-6 with cosine
+    # decay to 0 and no warmup, weight decay 0.05, 10 epochs; its segment, patch and text terms (config.goal
+    # defaults) instead of the token term, with L_HN as the global term. Needs segments in the data
+    # (docs/frameworks.md).
+    if method != "full":
+      raise ValueError("configs/longclip_l.py: goal fine-tunes the whole model; it has no lora/dora variant")
+    c.framework = "goal"
+    c.loss.token_weight = 0.0
+    c.batch_size, c.grad_accum_steps = 16, 1
+    c.optimizer.lr = 5e-6
+    c.total_steps = 10 * TRAIN_PAIRS[dataset] // c.batch_size
+    c.checkpoint_every = c.eval_every = max(1, c.total_steps // 10)
   return c

@@ -102,6 +102,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.finelip = ml_collections.ConfigDict({"tokens": 39, "hidden_ratio": 0.2, "weight": 1.0, "margin": 0.2,
                                          "reduction": "sum", "ramp_steps": -1, "hn_margin": False,
                                          "global_weight": 1.0, "score_weight": 0.2})
+  # GOAL (Choi et al. 2025), defaults = the authors' released goal_loss_finetuning.py. Each example's best-scoring
+  # segment (a box and its caption sentence; the data's "segments") gives: segment_weight · InfoNCE(crop, sentence)
+  # over the batch, patch_weight · (cos(patches under the box, pooled -> final LN -> projection; crop) − 1)², and
+  # text_weight · (cos(the sentence's tokens in the caption, pooled likewise; sentence) − 1)², beside the global
+  # L_HN. segment_margin: put L_HN's margin (γ·Ḡ of the sentences) in the segment term too (off: the paper swaps
+  # the global term; docs/frameworks.md).
+  c.goal = ml_collections.ConfigDict({"segment_weight": 0.5, "patch_weight": 1.0, "text_weight": 1.0,
+                                      "segment_margin": False})
   c.model = model_config("tiny", vocab_size=0, eot_token_id=-1)
   c.data = ml_collections.ConfigDict({
       # name: synthetic | docci | dci | long_dci | urban1k | coco | flickr30k | pairs.
@@ -123,8 +131,9 @@ POSITIVE = ("batch_size", "grad_accum_steps", "total_steps", "log_every", "check
             "optimizer.lr")
 NON_NEGATIVE = ("workers", "loss.chunk_size", "diagnostics.every", "optimizer.weight_decay", "optimizer.warmup_steps",
                 "loss.gamma", "loss.token_weight", "loss.token_logit_scale", "finelip.weight", "finelip.margin",
-                "finelip.global_weight", "finelip.score_weight")
-FRAMEWORKS = ("longclip", "finelip")
+                "finelip.global_weight", "finelip.score_weight", "goal.segment_weight", "goal.patch_weight",
+                "goal.text_weight")
+FRAMEWORKS = ("longclip", "finelip", "goal")
 
 
 def flatten(cfg, prefix="") -> dict:
@@ -146,8 +155,14 @@ def framework_fields(config) -> dict:
   """config.framework (+ config.finelip) -> the model's architecture fields it implies (FineLIP's aggregators)."""
   fw = config.get("framework", "longclip")
   if fw not in FRAMEWORKS:
-    planned = " ('goal' and 'structxlip' are not implemented yet)" if fw in ("goal", "structxlip") else ""
+    planned = " ('structxlip' is not implemented yet)" if fw == "structxlip" else ""
     raise ValueError(f"config.framework={fw!r}; choose one of {list(FRAMEWORKS)}{planned}")
+  if fw != "goal":
+    defaults = base_config().goal
+    changed = [f"config.goal.{k}={v!r}" for k, v in config.get("goal", {}).items() if v != defaults.get(k)]
+    if changed:  # a setting that would silently do nothing
+      raise ValueError(f"{', '.join(changed)} set, but config.framework={fw!r}: GOAL's settings apply only with "
+                       "config.framework='goal'. Set that, or drop them")
   if fw != "finelip":
     defaults = base_config().finelip
     changed = [f"config.finelip.{k}={v!r}" for k, v in config.get("finelip", {}).items()

@@ -56,11 +56,13 @@ def has_margin(gamma) -> bool:
   return not (isinstance(gamma, (int, float)) and gamma == 0)
 
 
-def contrastive_rows(img_rows, txt_rows, img_all, txt_all, logit_scale, gamma, row_offset):
+def contrastive_rows(img_rows, txt_rows, img_all, txt_all, logit_scale, gamma, row_offset, valid_all=None):
   """Per-example losses of the global term for a block of rows of the global batch.
 
   img_rows, txt_rows: [n, D] rows `row_offset .. row_offset+n` of the batch.
   img_all, txt_all:   [B, D] the whole (global) batch.
+  valid_all: optional [B] bool; pairs marked False are no one's negative (their columns are left out) and their own
+  rows' losses are 0 (GOAL's segment term: examples without a segment).
   Returns (i2t [n], t2i [n]) fp32 cross-entropies: row i of s·(S + γḠ) with
   target i (image→text) and column i of it (text→image). A Python γ = 0 is plain InfoNCE exactly.
   """
@@ -70,7 +72,20 @@ def contrastive_rows(img_rows, txt_rows, img_all, txt_all, logit_scale, gamma, r
   s_cols = sims(txt_rows, img_all, "nd,bd->nb")  # [n, B] columns of S (S is not symmetric)
   margin = _margin(txt_rows, txt_all, gamma, is_pos) if has_margin(gamma) else 0.0
   scale = logit_scale.astype(F32)
-  return _cross_entropy(scale * (s_rows + margin), is_pos), _cross_entropy(scale * (s_cols + margin), is_pos)
+  l_rows, l_cols = scale * (s_rows + margin), scale * (s_cols + margin)
+  if valid_all is None:
+    return _cross_entropy(l_rows, is_pos), _cross_entropy(l_cols, is_pos)
+  keep = valid_all[None, :]
+  mine = jax.lax.dynamic_slice_in_dim(valid_all, row_offset, img_rows.shape[0])
+  ce = lambda logits: jnp.where(mine, _cross_entropy(jnp.where(keep, logits, _NEG), is_pos), 0.0)  # noqa: E731
+  return ce(l_rows), ce(l_cols)
+
+
+def cosine_mse_rows(a, b, valid):
+  """GOAL's alignment terms, per row: (cos(a_i, b_i) − 1)² for L2-normalised a, b [n, D]; 0 where valid [n] is
+  False."""
+  cos = jnp.sum(a.astype(F32) * b.astype(F32), axis=-1)
+  return jnp.where(valid, jnp.square(cos - 1.0), 0.0)
 
 
 def token_scores(img_r, txt_c, mask_c):

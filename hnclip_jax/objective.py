@@ -5,12 +5,16 @@ global-batch accumulation path, the saturation telemetry and the HN-vs-InfoNCE g
 the model's outputs dict (`CLIP.__call__`: "img", "txt", "scale" and, when a term asks, "img_tokens",
 "txt_tokens", "txt_mask").
 
-    L = w_g·L_HN(γ) + λ·L_tok + w_f·ramp(step)·L_FineLIP     (paper Eq. 2 and 3; λ = config.loss.token_weight)
+    L = w_g·L_HN(γ) + λ·L_tok + w_f·ramp(step)·L_FineLIP + w_s·L_seg + w_p·L_patch + w_t·L_span
+                                                              (paper Eq. 2 and 3; λ = config.loss.token_weight)
 
 w_g = 1 and w_f = 0 except in config.framework="finelip" (docs/frameworks.md): there L_FineLIP is FineLIP's hinge
 over late-interaction scores of aggregated tokens, w_f = config.finelip.weight, ramped linearly from 0 over
 config.finelip.ramp_steps, and w_g = config.finelip.global_weight (FineLIP's released code has no global term; the
-paper's swap adds L_HN).
+paper's swap adds L_HN). w_s, w_p, w_t are GOAL's (config.framework="goal", config.goal): L_seg is InfoNCE between
+segment crops and their sentences over the examples that have a segment (with γ·Ḡ of the sentences when
+config.goal.segment_margin), L_patch = mean (cos(patch_pool, seg_img) − 1)², L_span = mean (cos(span_pool,
+seg_txt) − 1)², each over the examples where it applies.
 
 On a mesh every device all-gathers what its terms need, builds only its own rows of each B×B score matrix against
 the whole batch (the math is in `hnclip_jax.losses`), and the per-device sums are reduced with psum; the gather's
@@ -31,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from hnclip_jax import losses, sharding
+from hnclip_jax.models.clip import SEGMENT_KEYS
 
 # Outputs without a batch dimension (everything else in an outputs dict is [B, ...]).
 GLOBAL_OUTPUTS = ("scale",)
@@ -52,6 +57,10 @@ class Objective:
   finelip_reduction: str = "sum"  # "sum" over every violating pair (FineLIP) | "mean": divided by the batch size
   finelip_ramp_steps: int = 0  # w_f ramps linearly from 0 to 1 over these steps (0: no ramp)
   finelip_hn_margin: bool = False  # also add γ·Ḡ to the hinge's negatives
+  goal_segment_weight: float = 0.0  # w_s: GOAL's segment contrastive term (0 with the other two: no segments read)
+  goal_patch_weight: float = 0.0  # w_p: GOAL's patch-pool-to-crop alignment
+  goal_text_weight: float = 0.0  # w_t: GOAL's sentence-span-to-sentence alignment
+  goal_segment_margin: bool = False  # L_HN's margin (γ·Ḡ of the sentences) in the segment term too
   batch_axes: tuple = sharding.BATCH_AXES
 
   @classmethod
@@ -66,6 +75,10 @@ class Objective:
       obj = obj.replace(global_weight=float(f.global_weight), finelip_weight=float(f.weight),
                         finelip_margin=float(f.margin), finelip_reduction=str(f.reduction),
                         finelip_ramp_steps=max(int(f.ramp_steps), 0), finelip_hn_margin=bool(f.hn_margin))
+    if config is not None and config.get("framework", "longclip") == "goal":
+      g = config.goal
+      obj = obj.replace(goal_segment_weight=float(g.segment_weight), goal_patch_weight=float(g.patch_weight),
+                        goal_text_weight=float(g.text_weight), goal_segment_margin=bool(g.segment_margin))
     return obj
 
   def check(self, model_cfg) -> None:
@@ -93,8 +106,18 @@ class Objective:
     return self.finelip_weight > 0
 
   @property
+  def needs_segments(self) -> bool:
+    return self.goal_segment_weight > 0 or self.goal_patch_weight > 0 or self.goal_text_weight > 0
+
+  @property
   def term_names(self) -> tuple:
-    return ("hn",) + (("tok",) if self.needs_tokens else ()) + (("fine",) if self.needs_aggregates else ())
+    return (("hn",) + (("tok",) if self.needs_tokens else ()) + (("fine",) if self.needs_aggregates else ())
+            + (("seg", "patch", "span") if self.needs_segments else ()))
+
+  @property
+  def input_keys(self) -> tuple:
+    """The batch entries `forward` reads."""
+    return ("image", "tokens") + (SEGMENT_KEYS if self.needs_segments else ())
 
   @property
   def model_kwargs(self) -> dict:
@@ -106,9 +129,11 @@ class Objective:
       kw["aggregate"] = True
     return kw
 
-  def forward(self, model, images, tokens, rng=None) -> dict:
-    """The model's outputs dict for a batch (images [B, H, W, 3], tokens [B, L]); rng: adapter dropout key."""
-    out = model(images, tokens, dropout_rng=rng, **self.model_kwargs)
+  def forward(self, model, inputs: dict, rng=None) -> dict:
+    """The model's outputs dict for a batch: inputs {"image" [B, H, W, 3], "tokens" [B, L], and the segment inputs
+    when a GOAL term is on} (`input_keys`); rng: adapter dropout key."""
+    segments = {k: inputs[k] for k in SEGMENT_KEYS} if self.needs_segments else None
+    out = model(inputs["image"], inputs["tokens"], dropout_rng=rng, segments=segments, **self.model_kwargs)
     if not self.needs_tokens:  # the aggregates were made from them; the loss does not read them
       out = {k: v for k, v in out.items() if k not in ("img_tokens", "txt_tokens", "txt_mask")}
     return out
@@ -165,6 +190,23 @@ class Objective:
         weight = self.finelip_weight * ramp
         per = per + weight * (fi2t + ft2i) / norm
         loss = loss + weight * terms["fine"]
+      if self.needs_segments:
+        count = lambda v: jnp.maximum(jax.lax.psum(jnp.sum(v.astype(jnp.float32)), axes), 1.0)  # noqa: E731
+        n_seg, n_patch, n_span = count(out["seg_valid"]), count(out["patch_valid"]), count(out["span_valid"])
+        seg_gamma = self.gamma if self.goal_segment_margin else 0
+        si2t, st2i = losses.contrastive_rows(out["seg_img"], out["seg_txt"], gather(out["seg_img"]),
+                                             gather(out["seg_txt"]), scale, seg_gamma, offset,
+                                             valid_all=gather(out["seg_valid"]))
+        patch = losses.cosine_mse_rows(out["patch_pool"], out["seg_img"], out["patch_valid"])
+        span = losses.cosine_mse_rows(out["span_pool"], out["seg_txt"], out["span_valid"])
+        terms["seg"] = jax.lax.psum(jnp.sum(si2t) + jnp.sum(st2i), axes) / (2 * n_seg)
+        terms["patch"] = jax.lax.psum(jnp.sum(patch), axes) / n_patch
+        terms["span"] = jax.lax.psum(jnp.sum(span), axes) / n_span
+        # Per-example shares of the masked means: they average to each term over the whole batch.
+        per = per + batch * (self.goal_segment_weight * 0.5 * (si2t + st2i) / n_seg
+                             + self.goal_patch_weight * patch / n_patch + self.goal_text_weight * span / n_span)
+        loss = loss + (self.goal_segment_weight * terms["seg"] + self.goal_patch_weight * terms["patch"]
+                       + self.goal_text_weight * terms["span"])
       return loss, {"terms": terms, "per_example": per}
 
     out_specs = (P(), {"terms": {k: P() for k in self.term_names},

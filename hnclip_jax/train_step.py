@@ -194,15 +194,16 @@ def check_accumulation(config, mesh) -> None:
 
 
 def make_forward(graphdef, objective: Objective, frozen=None):
-  """(params, images [b,H,W,3], tokens [b,L], rng=None) -> the model's outputs dict, with what `objective` needs;
+  """(params, inputs, rng=None) -> the model's outputs dict, with what `objective` needs; inputs: the batch
+  entries `objective.input_keys` (image [b,H,W,3], tokens [b,L], GOAL's segment inputs), sharded over the batch;
   rng: the adapters' dropout key (None: no dropout). frozen: path -> bool; those parameters pass through
   stop_gradient inside the function that is differentiated, so JAX emits no weight gradient for them (their
   gradient is a zero constant) — LoRA's and a frozen tower's compute saving."""
-  def forward(params, images, tokens, rng=None):
+  def forward(params, inputs, rng=None):
     if frozen is not None:
       params = jax.tree_util.tree_map_with_path(
           lambda p, x: jax.lax.stop_gradient(x) if frozen(param_path(p)) else x, params)
-    return objective.forward(bind(graphdef, params), images, tokens, rng)
+    return objective.forward(bind(graphdef, params), inputs, rng)
 
   return forward
 
@@ -239,13 +240,14 @@ def _micro_batching(mesh, accum_steps: int):
 def make_outputs_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, frozen=None):
   """(params, batch) -> outputs of the whole batch, computed a micro-batch at a time (no activations kept)."""
   forward = make_forward(graphdef, objective, frozen)
+  inputs = lambda batch: {k: batch[k] for k in objective.input_keys}  # noqa: E731
   if accum_steps == 1:
-    return lambda params, batch, rng=None: forward(params, batch["image"], batch["tokens"], _fold(rng, 0))
+    return lambda params, batch, rng=None: forward(params, inputs(batch), _fold(rng, 0))
   split, merge = _micro_batching(mesh, accum_steps)
 
   def outputs(params, batch, rng=None):
-    _, outs = jax.lax.scan(lambda c, mb: (c, forward(params, mb[1], mb[2], _fold(rng, mb[0]))), None,
-                           (jnp.arange(accum_steps), split(batch["image"]), split(batch["tokens"])))
+    _, outs = jax.lax.scan(lambda c, mb: (c, forward(params, mb[1], _fold(rng, mb[0]))), None,
+                           (jnp.arange(accum_steps), jax.tree.map(split, inputs(batch))))
     return {k: v[0] if k in GLOBAL_OUTPUTS else merge(v) for k, v in outs.items()}
 
   return outputs
@@ -284,27 +286,28 @@ def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, neg
   frozen: path -> bool: those parameters get a zero gradient and no weight-gradient computation (`make_forward`).
   """
   forward = make_forward(graphdef, objective, frozen)
+  inputs = lambda batch: {k: batch[k] for k in objective.input_keys}  # noqa: E731
 
-  def loss_fn(params, images, tokens, rng=None, step=None):
-    loss, aux = objective(forward(params, images, tokens, rng), mesh, step)
+  def loss_fn(params, mb_inputs, rng=None, step=None):
+    loss, aux = objective(forward(params, mb_inputs, rng), mesh, step)
     return loss, aux["terms"]
 
   if accum_steps == 1:
     return lambda params, batch, rng=None, step=None: jax.value_and_grad(loss_fn, has_aux=True)(
-        params, batch["image"], batch["tokens"], _fold(rng, 0), step)
+        params, inputs(batch), _fold(rng, 0), step)
   if negatives not in NEGATIVES:
     raise ValueError(f"config.loss.negatives={negatives!r}; choose one of {NEGATIVES}")
   split, _ = _micro_batching(mesh, accum_steps)
 
   def micro_batch_negatives(params, batch, rng=None, step=None):
     def body(acc, mb):
-      k, img, tok = mb
-      return jax.tree.map(jnp.add, acc, jax.value_and_grad(loss_fn, has_aux=True)(params, img, tok,
+      k, mb_inputs = mb
+      return jax.tree.map(jnp.add, acc, jax.value_and_grad(loss_fn, has_aux=True)(params, mb_inputs,
                                                                                   _fold(rng, k), step)), None
 
     zeros = ((jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in objective.term_names}),
              jax.tree.map(jnp.zeros_like, params))
-    total, _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), split(batch["image"]), split(batch["tokens"])))
+    total, _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), jax.tree.map(split, inputs(batch))))
     return jax.tree.map(lambda x: x / accum_steps, total)
 
   outputs_fn = make_outputs_fn(graphdef, mesh, objective, accum_steps, frozen)
@@ -316,12 +319,12 @@ def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, neg
     # Each micro-batch's cotangent: its rows of the per-example outputs' gradients; the scale's whole gradient
     # goes to micro-batch 0 (the scale is one parameter, computed again in every micro-batch).
     def body(acc, xs):
-      k, mb_img, mb_tok, g = xs
+      k, mb_inputs, g = xs
       g = {**g, **{key: jnp.where(k == 0, g_out[key], 0.0) for key in GLOBAL_OUTPUTS if key in g_out}}
-      _, vjp = jax.vjp(lambda p: partition_outputs(forward(p, mb_img, mb_tok, _fold(rng, k)))[0], params)
+      _, vjp = jax.vjp(lambda p: partition_outputs(forward(p, mb_inputs, _fold(rng, k)))[0], params)
       return jax.tree.map(jnp.add, acc, vjp(g)[0]), None
 
-    xs = (jnp.arange(accum_steps), split(batch["image"]), split(batch["tokens"]),
+    xs = (jnp.arange(accum_steps), jax.tree.map(split, inputs(batch)),
           {k: split(v) for k, v in g_out.items() if k not in GLOBAL_OUTPUTS})
     grads, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), xs)
     return (loss, aux["terms"]), grads
@@ -440,6 +443,13 @@ def build_program(config, model_cfg, mesh, rules) -> Program:
 def abstract_batch(config, model_cfg, mesh) -> dict:
   """The global batch the step takes, as ShapeDtypeStructs sharded over the batch axes."""
   sh = sharding.batch_sharding(mesh)
-  b, s = config.batch_size, model_cfg.image_size
-  return {"image": jax.ShapeDtypeStruct((b, s, s, 3), jnp.float32, sharding=sh),
-          "tokens": jax.ShapeDtypeStruct((b, model_cfg.text_context), jnp.int32, sharding=sh)}
+  b, s, l = config.batch_size, model_cfg.image_size, model_cfg.text_context
+  batch = {"image": jax.ShapeDtypeStruct((b, s, s, 3), jnp.float32, sharding=sh),
+           "tokens": jax.ShapeDtypeStruct((b, l), jnp.int32, sharding=sh)}
+  if Objective.from_config(config.loss, config).needs_segments:
+    p = (s // model_cfg.patch_size) ** 2
+    batch.update({"seg_image": batch["image"], "seg_tokens": batch["tokens"],
+                  "seg_patches": jax.ShapeDtypeStruct((b, p), jnp.float32, sharding=sh),
+                  "seg_span": jax.ShapeDtypeStruct((b, l), jnp.float32, sharding=sh),
+                  "seg_valid": jax.ShapeDtypeStruct((b,), jnp.bool_, sharding=sh)})
+  return batch

@@ -59,7 +59,6 @@ def caption_choice(seed: int, step: int, index: int, num_captions: int) -> int:
 
 
 # ---- Segments (config.framework="goal"): a box of the image and the caption sentence describing it ----
-SEGMENT_KEYS = ("seg_image", "seg_tokens", "seg_patches", "seg_span", "seg_valid")
 
 
 def segments_of(ex) -> list[dict]:

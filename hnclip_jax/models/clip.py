@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# GOAL's per-example segment inputs (made by hnclip_jax.data.pipeline.segment_inputs, read by `CLIP.__call__`).
+SEGMENT_KEYS = ("seg_image", "seg_tokens", "seg_patches", "seg_span", "seg_valid")
 LOGIT_SCALE_MAX = 100.0
 # The logit-scale *parameter* p (s = exp(p)) is clamped to [0, ln 100] after each optimizer update, as OpenAI's and
 # open_clip's training do (train_step), never in the forward pass: a clamp there would give s a gradient of exactly
@@ -356,6 +358,15 @@ def init_aggregators(cfg, seed: int) -> dict:
   return {k: nnx.to_pure_dict(nnx.state(m, nnx.Param)) for k, m in mods.items()}
 
 
+def _masked_mean(x, mask):
+  """x [B, N, W], mask [B, N] float -> [B, W]: the mean of the rows under the mask (zeros where it is empty), fp32
+  accumulation, in x's dtype."""
+  w = mask / jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1.0)
+  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+  return jnp.einsum("bn,bnw->bw", w.astype(x.dtype), x, precision=precision,
+                    preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def _l2_normalize(x):
   x = x.astype(jnp.float32)
   return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), 1e-12))
@@ -402,6 +413,10 @@ class CLIP(nnx.Module):
 
     With `token_layer` = k the per-token features of block k's output (CLS first, then the P patches) go through
     the same final LayerNorm and projection as the pooled CLS token."""
+    return self._image_tower(pixels, token_layer, rng)[:2]
+
+  def _image_tower(self, pixels, token_layer=None, rng=None):
+    """`image_tower`'s (pooled, tokens) and the last block's output [B, 1+P, W] (before the final LayerNorm)."""
     dt = jnp.dtype(self.cfg.dtype)
     x = self.patch_embed(pixels.astype(dt))  # [B, h, w, W]
     b = x.shape[0]
@@ -411,28 +426,43 @@ class CLIP(nnx.Module):
     proj = self.visual_projection[...].astype(dt)
     if token_layer is None:
       x = self.vision(self.ln_pre(x), causal=False, rng=rng)
-      return self.ln_post(x[:, 0]) @ proj, None
+      return self.ln_post(x[:, 0]) @ proj, None, x
     x, kept = self.vision(self.ln_pre(x), causal=False, keep=token_layer, rng=rng)
     tok_proj = self.visual_token_projection[...].astype(dt) if self.cfg.token_projection == "separate" else proj
-    return self.ln_post(x[:, 0]) @ proj, self.ln_post(kept) @ tok_proj
+    return self.ln_post(x[:, 0]) @ proj, self.ln_post(kept) @ tok_proj, x
 
   def text_tower(self, tokens, token_layer: int | None = None, rng=None):
     """tokens [B, L] int -> (pooled [B, E] at the first end-of-text token, tokens [B, L, E] or None), projected and
     unnormalised; `token_layer` as in `image_tower` (the final LayerNorm and projection apply to every token)."""
+    return self._text_tower(tokens, token_layer, rng)[:2]
+
+  def _text_tower(self, tokens, token_layer=None, rng=None):
+    """`text_tower`'s (pooled, tokens) and the last block's output [B, L, W] (before the final LayerNorm)."""
     dt = jnp.dtype(self.cfg.dtype)
     length = tokens.shape[1]
     x = self.token_embedding(tokens) + self.text_positions[...][:length].astype(dt)
     proj = self.text_projection[...].astype(dt)
     if token_layer is None:
-      x, kept = self.text(x, causal=True, rng=rng), None
+      h, kept = self.text(x, causal=True, rng=rng), None
     else:
-      x, kept = self.text(x, causal=True, keep=token_layer, rng=rng)
-    x = self.ln_final(x)
+      h, kept = self.text(x, causal=True, keep=token_layer, rng=rng)
+    x = self.ln_final(h)
     pooled = jnp.take_along_axis(x, self.eot_positions(tokens)[:, None, None], axis=1)[:, 0]
     if kept is None:
-      return pooled @ proj, None
+      return pooled @ proj, None, h
     tok_proj = self.text_token_projection[...].astype(dt) if self.cfg.token_projection == "separate" else proj
-    return pooled @ proj, self.ln_final(kept) @ tok_proj
+    return pooled @ proj, self.ln_final(kept) @ tok_proj, h
+
+  def pool_patches(self, hidden, mask):
+    """GOAL's region embedding: the image tower's last-block patch outputs (hidden [B, 1+P, W], CLS first) averaged
+    over `mask` [B, P] (1 on the patches under the box), then the tower's final LayerNorm and projection (as the
+    CLS token goes) -> [B, E], unnormalised. An all-zero mask gives the LayerNorm of a zero vector (its bias)."""
+    return self.ln_post(_masked_mean(hidden[:, 1:], mask)) @ self.visual_projection[...].astype(hidden.dtype)
+
+  def pool_span(self, hidden, mask):
+    """GOAL's sentence-in-caption embedding: the text tower's last-block outputs (hidden [B, L, W]) averaged over
+    `mask` [B, L] (1 on the sentence's tokens), then the final LayerNorm and projection -> [B, E], unnormalised."""
+    return self.ln_final(_masked_mean(hidden, mask)) @ self.text_projection[...].astype(hidden.dtype)
 
   def eot_positions(self, tokens):  # [B, L] int -> [B] first end-of-text position
     return jnp.argmax(tokens == self.cfg.eot_token_id, axis=1)
@@ -476,7 +506,7 @@ class CLIP(nnx.Module):
     return self.aggregate_text(self.text_tower(tokens, token_layer)[1], tokens)
 
   def __call__(self, pixels, tokens, *, token_layer: int | None = None, image_cls_token: bool = False,
-               aggregate: bool = False, dropout_rng=None):
+               aggregate: bool = False, segments: dict | None = None, dropout_rng=None):
     """The training forward pass: pixels [B, H, W, 3], tokens [B, L] -> outputs dict.
 
     Always: "img", "txt" [B, E] L2-normalised fp32 and "scale" (s, a scalar: the only entry without a batch
@@ -484,11 +514,26 @@ class CLIP(nnx.Module):
     1+P with `image_cls_token`) and "txt_tokens" [B, L, E], L2-normalised per token, in the compute dtype, and
     "txt_mask" [B, L] bool, True on the real tokens (start through the first end-of-text, never padding).
     With `aggregate` (FineLIP; needs token_layer too): "img_agg" [B, 1+K, E] and "txt_agg" [B, K+1, E] (`aggregate`).
+    With `segments` (GOAL; the input pipeline's SEGMENT_KEYS: seg_image [B, H, W, 3], seg_tokens [B, L],
+    seg_patches [B, P], seg_span [B, L], seg_valid [B] bool): "seg_img" (the segment crop's embedding), "seg_txt"
+    (its sentence's), "patch_pool" (`pool_patches` under the box), "span_pool" (`pool_span` over the sentence's
+    tokens in the caption), all [B, E] L2-normalised fp32, and [B] bools "seg_valid", "patch_valid" (a segment
+    whose box covers a patch), "span_valid" (a segment whose sentence was found in the caption's tokens).
     dropout_rng: a key for the adapters' dropout (training); None (eval, and every model without it) is no dropout.
     """
-    img, img_tok = self.image_tower(pixels, token_layer, _key(dropout_rng, 0))
-    txt, txt_tok = self.text_tower(tokens, token_layer, _key(dropout_rng, 1))
+    img, img_tok, img_hidden = self._image_tower(pixels, token_layer, _key(dropout_rng, 0))
+    txt, txt_tok, txt_hidden = self._text_tower(tokens, token_layer, _key(dropout_rng, 1))
     out = {"img": _l2_normalize(img), "txt": _l2_normalize(txt), "scale": self.scale()}
+    if segments is not None:
+      valid = segments["seg_valid"].astype(bool)
+      patches, span = segments["seg_patches"].astype(jnp.float32), segments["seg_span"].astype(jnp.float32)
+      out["seg_img"] = _l2_normalize(self.image_tower(segments["seg_image"], rng=_key(dropout_rng, 2))[0])
+      out["seg_txt"] = _l2_normalize(self.text_tower(segments["seg_tokens"], rng=_key(dropout_rng, 3))[0])
+      out["patch_pool"] = _l2_normalize(self.pool_patches(img_hidden, patches))
+      out["span_pool"] = _l2_normalize(self.pool_span(txt_hidden, span))
+      out["seg_valid"] = valid
+      out["patch_valid"] = valid & (jnp.sum(patches, axis=1) > 0)
+      out["span_valid"] = valid & (jnp.sum(span, axis=1) > 0)
     if aggregate:
       if token_layer is None:
         raise ValueError("aggregate=True needs token_layer (the tokens to aggregate)")
