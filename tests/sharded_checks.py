@@ -44,8 +44,10 @@ tokens[:, 0], tokens[np.arange(B), lengths - 1] = 2, 3
 batch = {"image": rng.normal(size=(B, 16, 16, 3)).astype(np.float32), "tokens": tokens.astype(np.int32)}
 
 
-def grads_on(shape, accum=1, negatives="global_batch", chunk=0, gamma=0.5, token_weight=0.0, model=None, **terms):
+def grads_on(shape, accum=1, negatives="global_batch", chunk=0, gamma=0.5, token_weight=0.0, model=None, data=None,
+             **terms):
   graphdef, params = model or (GRAPHDEF, PARAMS)
+  data = batch if data is None else data
   mesh = mesh_of(shape)
   abstract = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)}
   psh = sharding.state_shardings(abstract, "params", mesh, RULES)["params"]
@@ -53,7 +55,7 @@ def grads_on(shape, accum=1, negatives="global_batch", chunk=0, gamma=0.5, token
   fn = train_step.make_grad_fn(graphdef, mesh, objective, accum, negatives)
   bsh = sharding.batch_sharding(mesh)
   f = jax.jit(fn, in_shardings=(psh, bsh), out_shardings=(sharding.replicated(mesh), psh))
-  (loss, _), grads = f(jax.device_put(params, psh), jax.device_put(batch, bsh))
+  (loss, _), grads = f(jax.device_put(params, psh), jax.device_put(data, bsh))
   return float(loss), jax.device_get(grads), psh
 
 
@@ -122,6 +124,29 @@ for shape, kw in [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2}), ((4, 1
   if shape == (2, 2, 2) and not kw:
     out["finelip_layouts"]["aggregator spec"] = str(psh["text_aggregator"]["fc1"]["kernel"].spec)
 out["finelip_differs"] = abs(f_loss - grads_on((1, 1, 1), model=fmodel)[0]) / f_loss
+
+# GOAL (config.framework="goal"): L_HN + segment InfoNCE (with γ·Ḡ of the sentences) + the patch and span
+# alignments, on a batch where some examples have no segment, some boxes cover no patch and some sentences are not
+# in their caption: every layout, accumulation over the global batch and 1-row chunks equal one device.
+goal_batch = dict(batch)
+goal_batch["seg_image"] = rng.normal(size=(B, 16, 16, 3)).astype(np.float32)
+seg_tok = np.roll(tokens, 3, axis=0)
+goal_batch["seg_tokens"] = seg_tok.astype(np.int32)
+patches = (rng.random((B, 4)) < 0.5).astype(np.float32)
+patches[1] = 0.0  # a box the crop cut away
+goal_batch["seg_patches"] = patches
+span = ((np.arange(8)[None] >= 1) & (np.arange(8)[None] < lengths[:, None] - 1) & (rng.random((B, 8)) < 0.7))
+span[2] = False  # a sentence not found in its caption
+goal_batch["seg_span"] = span.astype(np.float32)
+goal_batch["seg_valid"] = np.arange(B) % 5 != 4  # rows 4, 9, 14: no segment
+goal = dict(goal_segment_weight=0.5, goal_patch_weight=1.0, goal_text_weight=1.0, goal_segment_margin=True,
+            data=goal_batch)
+g_loss, g_grads, _ = grads_on((1, 1, 1), **goal)
+out["goal_layouts"] = {}
+for shape, kw in [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2}), ((4, 1, 1), {"chunk": 1})]:
+  loss, grads, _ = grads_on(shape, **kw, **goal)
+  out["goal_layouts"][f"{shape} {kw}"] = {"loss_rel": abs(loss - g_loss) / g_loss, "grad_rel": max_rel(grads, g_grads)}
+out["goal_differs"] = abs(g_loss - grads_on((1, 1, 1), data=goal_batch)[0]) / g_loss
 
 # Optimizer state follows the parameters.
 mesh = mesh_of((2, 2, 2))

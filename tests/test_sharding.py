@@ -71,6 +71,16 @@ def test_finelip_hinge_never_materialises_the_pairwise_token_tensor(checks):
   assert m["largest_buffer"] <= m["block"] < m["nxBxTxT"] < m["BxBxTxT"], m
 
 
+def test_goal_every_layout_matches_one_device(checks):
+  """GOAL (L_HN + segment InfoNCE with γ·Ḡ of the sentences + patch and span alignments; rows without a segment,
+  a box covering no patch, a sentence not in its caption): the five layouts, global-batch accumulation and 1-row
+  chunks give one device's loss and gradients."""
+  g = checks["goal_layouts"]
+  assert checks["goal_differs"] > 1e-2 and len(g) == 7
+  for name, r in g.items():
+    assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (name, r)
+
+
 def test_gradient_accumulation(checks):
   assert len(checks["accum"]) == 3
   for name, r in checks["accum"].items():  # global-batch negatives: identical to no accumulation
