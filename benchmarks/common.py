@@ -97,13 +97,23 @@ def make_step(cfg, gamma: float, mesh, opt_overrides=None, loss_overrides=None, 
   return step, tx, sh, graphdef, run_cfg
 
 
-def random_batch(cfg, batch: int, mesh, seed: int = 0):
+def random_batch(cfg, batch: int, mesh, seed: int = 0, segments: bool = False):
   """A global batch for model config `cfg` on `mesh`: normal-noise images and full-length token rows
-  (BOS id 1, random ids, EOT)."""
+  (BOS id 1, random ids, EOT); with `segments`, GOAL's segment inputs too (crops, sentences, a box of a quarter of
+  the patches, a span of a quarter of the caption, every row valid)."""
   import numpy as np
   from hnclip_jax import sharding
   r = np.random.default_rng(seed)
   ids = np.concatenate([np.full((batch, 1), 1), r.integers(4, cfg.vocab_size - 1, (batch, cfg.text_context - 2)),
                         np.full((batch, 1), cfg.eot_token_id)], 1).astype(np.int32)
-  return sharding.to_global({"image": r.normal(size=(batch, cfg.image_size, cfg.image_size, 3)).astype(np.float32),
-                             "tokens": ids}, mesh)
+  image = lambda: r.normal(size=(batch, cfg.image_size, cfg.image_size, 3)).astype(np.float32)  # noqa: E731
+  data = {"image": image(), "tokens": ids}
+  if segments:
+    g, length = cfg.image_size // cfg.patch_size, cfg.text_context
+    patches = np.zeros((batch, g, g), np.float32)
+    patches[:, :g // 2, :g // 2] = 1
+    span = np.zeros((batch, length), np.float32)
+    span[:, 1:1 + length // 4] = 1
+    data.update(seg_image=image(), seg_tokens=np.roll(ids, 1, axis=0), seg_patches=patches.reshape(batch, -1),
+                seg_span=span, seg_valid=np.ones(batch, bool))
+  return sharding.to_global(data, mesh)

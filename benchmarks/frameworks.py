@@ -4,8 +4,9 @@ timed in alternating order, plus XLA's FLOPs of each compiled step (no timing no
 
   python benchmarks/frameworks.py [--models tiny,vit_b16] [--batch tiny=128,vit_b16=8] [--reps 5] [--json out.json]
 
-The paper reports training time relative to HN-CLIP for GOAL (2.4x) and StructXLIP (5.4x); those two frameworks are
-not implemented yet (docs/frameworks.md), so their rows are absent.
+The paper reports training time relative to HN-CLIP for GOAL (2.4x) and StructXLIP (5.4x). GOAL's step includes its
+second forward/backward pass (segment crops and sentences) but not the host's crop making (the input pipeline, which
+overlaps the step); StructXLIP is not implemented yet (docs/frameworks.md), so its row is absent.
 """
 import argparse
 import dataclasses
@@ -23,7 +24,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import alternating_times, dump, random_batch, table  # noqa: E402
 from hnclip_jax.models import PRESETS  # noqa: E402
 
-FRAMEWORKS = ("longclip", "finelip")
+FRAMEWORKS = ("longclip", "finelip", "goal")
 
 
 def program_for(cfg, framework: str, batch: int):
@@ -55,7 +56,7 @@ def main():
     steps, flops = {}, {}
     for fw in FRAMEWORKS:
       program, model_cfg, mesh = program_for(cfg, fw, batch)
-      data = random_batch(model_cfg, batch, mesh)
+      data = random_batch(model_cfg, batch, mesh, segments=program.objective.needs_segments)
       compiled = program.step.lower(program.target(), data).compile()
       cost = compiled.cost_analysis()
       flops[fw] = float((cost[0] if isinstance(cost, list) else cost)["flops"])

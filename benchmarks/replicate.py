@@ -106,8 +106,9 @@ def main():
                  help="comma-separated lora,dora: also fine-tune with adapters (rank 16, the full runs' lr x 25 as "
                       "in the paper: 2e-6 -> 5e-5), γ 0 and 0.5, every seed")
   p.add_argument("--frameworks", default="",
-                 help="comma-separated finelip: also fine-tune with that framework (config.framework; its hinge "
-                      "ramped in over one epoch, the aggregators at 10x the backbone's lr), γ 0 and 0.5, every seed")
+                 help="comma-separated finelip,goal: also fine-tune with that framework (config.framework; FineLIP's "
+                      "hinge ramped in over one epoch, its aggregators at 10x the backbone's lr; GOAL with the "
+                      "synthetic data's exact segments), γ 0 and 0.5, every seed")
   a = p.parse_args()
   out = os.path.abspath(a.out)
   os.makedirs(out, exist_ok=True)
@@ -174,9 +175,9 @@ def main():
     for (f, g, s), w in fw_runs.items():
       if finished(w, ft_steps):
         continue
+      fw_args = ["--config.optimizer.lr_multipliers=((r'^(image|text)_aggregator/', 10.0),)"] if f == "finelip" else []
       run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
-           f"--config.framework={f}", "--config.optimizer.lr_multipliers=((r'^(image|text)_aggregator/', 10.0),)"],
-          w + ".log")
+           f"--config.framework={f}", *fw_args], w + ".log")
     if not finished(small, ft_steps):
       run([*common, *ft_args, "--workdir", small, "--config.loss.gamma=0.5", "--config.seed=0",
            f"--config.data.num_train={num_train // 5}"], small + ".log")
