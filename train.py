@@ -69,13 +69,14 @@ def main(argv):
   log(experiment.truncation_report(config, tokenizer))
   program = train_step.build_program(config, model_cfg, mesh, rules)  # what tools/compile_for compiles, too
   graphdef, tx, shardings, objective = program.graphdef, program.tx, program.shardings, program.objective
-  if objective.needs_segments:
-    have, total = builders.count_segments(config.data, config.data.train_split)
+  if objective.needs_segments or (objective.needs_structure and objective.sx_local_weight > 0):
+    fw = config.framework
+    have, total = builders.count_segments(config.data, config.data.train_split, fw)
     if not have:
-      raise ValueError(f"config.framework='goal': none of the {total} examples of {config.data.name}/"
-                       f"{config.data.train_split} has a segment (every 'segments' list is empty); GOAL's segment "
+      raise ValueError(f"config.framework={fw!r}: none of the {total} examples of {config.data.name}/"
+                       f"{config.data.train_split} has a segment (every 'segments' list is empty); its segment "
                        "terms would be 0. Add segments (docs/frameworks.md) or choose another config.framework")
-    log(f"GOAL segments: {have} of {total} training examples have one (the others are left out of the segment "
+    log(f"{fw} segments: {have} of {total} training examples have one (the others are left out of the segment "
         "terms)")
 
   # ---- State: newest intact checkpoint, else initial (created on its shardings) ----
@@ -118,7 +119,8 @@ def main(argv):
   batches = iter(pipeline.train_dataset(
       train_source, tokenizer, image_size=model_cfg.image_size, global_batch=config.batch_size, seed=config.seed,
       start_step=start, process_index=jax.process_index(), process_count=jax.process_count(),
-      workers=config.workers, segment_patch_size=model_cfg.patch_size if objective.needs_segments else 0))
+      workers=config.workers, segment_patch_size=model_cfg.patch_size if objective.needs_segments else 0,
+      structure=pipeline.StructureSettings.from_config(config.structxlip) if objective.needs_structure else None))
 
   eval_captions = None  # read once, at the first eval, without decoding images
 

@@ -110,6 +110,21 @@ def base_config() -> ml_collections.ConfigDict:
   # the global term; docs/frameworks.md).
   c.goal = ml_collections.ConfigDict({"segment_weight": 0.5, "patch_weight": 1.0, "text_weight": 1.0,
                                       "segment_margin": False})
+  # StructXLIP (Ruan et al. 2026), defaults = the authors' released structxlip/train.py. Besides L_HN:
+  # structure_weight · InfoNCE(edge map of the image, caption without appearance words) (s held constant),
+  # consistency_weight · (1 − cos(image, its edge map)), local_weight · multi-positive InfoNCE of word-window
+  # chunks of that caption against the edge maps of the example's top_k segment crops (all crops of the batch the
+  # candidates; multiplier min(s / tau, 100)). Each weight is 1x in epochs 0-1, then decays (cosine) to its floor
+  # (floors: structure, consistency, local) at epoch decay_epochs; steps_per_epoch -1 = the training split / batch.
+  # remove: the word groups taken out of the structure caption (hnclip_jax/data/structure.py VISUAL_WORDS);
+  # canny_low/high: the edge maps' thresholds (OpenCV Canny on the preprocessed image); base_window, stride,
+  # max_chunks: the chunks; logit_scale_max: the logit-scale parameter is clamped to [0, this] (s <= e^3.5 = 33).
+  # structure_margin: put L_HN's margin (γ·Ḡ of the structure captions) in the structure term too.
+  c.structxlip = ml_collections.ConfigDict({
+      "structure_weight": 0.5, "consistency_weight": 0.05, "local_weight": 0.1, "floors": (0.7, 0.5, 0.4),
+      "decay_epochs": 8, "steps_per_epoch": -1, "top_k": 3, "tau": 0.07, "base_window": 3, "stride": 1,
+      "max_chunks": 64, "remove": ("colors",), "canny_low": 100.0, "canny_high": 200.0, "logit_scale_max": 3.5,
+      "structure_margin": False})
   c.model = model_config("tiny", vocab_size=0, eot_token_id=-1)
   c.data = ml_collections.ConfigDict({
       # name: synthetic | docci | dci | long_dci | urban1k | coco | flickr30k | pairs.
@@ -132,8 +147,10 @@ POSITIVE = ("batch_size", "grad_accum_steps", "total_steps", "log_every", "check
 NON_NEGATIVE = ("workers", "loss.chunk_size", "diagnostics.every", "optimizer.weight_decay", "optimizer.warmup_steps",
                 "loss.gamma", "loss.token_weight", "loss.token_logit_scale", "finelip.weight", "finelip.margin",
                 "finelip.global_weight", "finelip.score_weight", "goal.segment_weight", "goal.patch_weight",
-                "goal.text_weight")
-FRAMEWORKS = ("longclip", "finelip", "goal")
+                "goal.text_weight", "structxlip.structure_weight", "structxlip.consistency_weight",
+                "structxlip.local_weight", "structxlip.canny_low", "structxlip.canny_high",
+                "structxlip.logit_scale_max")
+FRAMEWORKS = ("longclip", "finelip", "goal", "structxlip")
 
 
 def flatten(cfg, prefix="") -> dict:
@@ -155,8 +172,16 @@ def framework_fields(config) -> dict:
   """config.framework (+ config.finelip) -> the model's architecture fields it implies (FineLIP's aggregators)."""
   fw = config.get("framework", "longclip")
   if fw not in FRAMEWORKS:
-    planned = " ('structxlip' is not implemented yet)" if fw == "structxlip" else ""
-    raise ValueError(f"config.framework={fw!r}; choose one of {list(FRAMEWORKS)}{planned}")
+    raise ValueError(f"config.framework={fw!r}; choose one of {list(FRAMEWORKS)}")
+  if fw != "structxlip":
+    defaults = base_config().structxlip
+    changed = [f"config.structxlip.{k}={v!r}" for k, v in config.get("structxlip", {}).items()
+               if v != defaults.get(k)]
+    if changed:  # a setting that would silently do nothing
+      raise ValueError(f"{', '.join(changed)} set, but config.framework={fw!r}: StructXLIP's settings apply only "
+                       "with config.framework='structxlip'. Set that, or drop them")
+  else:
+    check_structxlip(config.structxlip)
   if fw != "goal":
     defaults = base_config().goal
     changed = [f"config.goal.{k}={v!r}" for k, v in config.get("goal", {}).items() if v != defaults.get(k)]
@@ -183,6 +208,25 @@ def framework_fields(config) -> dict:
   if not 0 <= float(f.score_weight) <= 1:
     raise ValueError(f"config.finelip.score_weight={f.score_weight} must be in [0, 1]")
   return {"aggregate_tokens": int(f.tokens), "aggregate_hidden_ratio": float(f.hidden_ratio)}
+
+
+def check_structxlip(sx) -> None:
+  """Raises naming the config.structxlip key that cannot work."""
+  from hnclip_jax.data import structure
+  for key in ("top_k", "max_chunks", "base_window", "stride", "decay_epochs"):
+    if int(sx[key]) < 1:
+      raise ValueError(f"config.structxlip.{key}={sx[key]!r} must be >= 1")
+  if int(sx.steps_per_epoch) < -1:
+    raise ValueError(f"config.structxlip.steps_per_epoch={sx.steps_per_epoch}; use -1 (the training split / batch "
+                     "size), 0 (no schedule) or a step count")
+  if len(tuple(sx.floors)) != 3 or not all(0 <= float(f) <= 1 for f in sx.floors):
+    raise ValueError(f"config.structxlip.floors={tuple(sx.floors)!r}: three numbers in [0, 1] (structure, "
+                     "consistency, local)")
+  if not float(sx.tau) > 0:
+    raise ValueError(f"config.structxlip.tau={sx.tau!r} must be positive")
+  if not float(sx.canny_low) < float(sx.canny_high):
+    raise ValueError(f"config.structxlip.canny_low={sx.canny_low} must be below canny_high={sx.canny_high}")
+  structure.filter_caption("x", (sx.remove,) if isinstance(sx.remove, str) else tuple(sx.remove))  # known groups
 
 
 def adapter_fields(config) -> dict:

@@ -198,12 +198,18 @@ def model_config(config, tokenizer) -> CLIPConfig:
 
 
 def resolve_epoch_settings(config, num_train: int):
-  """Settings given in epochs of the training split (-1 = one epoch) as steps: config.finelip.ramp_steps."""
-  if config.get("framework") != "finelip" or int(config.finelip.ramp_steps) != -1:
-    return config
-  config = copy.deepcopy(config)
-  with config.unlocked():
-    config.finelip.ramp_steps = max(num_train // config.batch_size, 1)
+  """Settings given in epochs of the training split (-1 = one epoch) as steps: config.finelip.ramp_steps,
+  config.structxlip.steps_per_epoch."""
+  epoch = max(num_train // config.batch_size, 1)
+  fw = config.get("framework")
+  if fw == "finelip" and int(config.finelip.ramp_steps) == -1:
+    config = copy.deepcopy(config)
+    with config.unlocked():
+      config.finelip.ramp_steps = epoch
+  if fw == "structxlip" and int(config.structxlip.steps_per_epoch) == -1:
+    config = copy.deepcopy(config)
+    with config.unlocked():
+      config.structxlip.steps_per_epoch = epoch
   return config
 
 

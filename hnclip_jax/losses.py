@@ -88,6 +88,29 @@ def cosine_mse_rows(a, b, valid):
   return jnp.where(valid, jnp.square(cos - 1.0), 0.0)
 
 
+def multi_positive_rows(chunks, chunk_valid, crops_all, crop_valid_all, logit_scale, row_offset):
+  """StructXLIP's local term for a block of rows: each chunk of a row's caption against every valid crop of the
+  batch, multi-positive InfoNCE with the row's own valid crops as the positives.
+
+  chunks [n, C, E], chunk_valid [n, C] bool: rows `row_offset .. row_offset+n`; crops_all [B, K, E],
+  crop_valid_all [B, K] bool: the whole batch (L2-normalised features). Per chunk c of row i:
+  lse_{valid (b, k)} s·⟨c, crop_bk⟩ − lse_{valid (i, k)} s·⟨c, crop_ik⟩. Returns (loss [n]: the mean over the row's
+  valid chunks, 0 where it has no valid chunk or no valid crop; applies [n] bool: where it has both).
+  """
+  n, c, e = chunks.shape
+  b, k, _ = crops_all.shape
+  logits = logit_scale.astype(F32) * sims(chunks.reshape(n * c, e), crops_all.reshape(b * k, e), "ne,me->nm")
+  logits = logits.reshape(n, c, b, k)
+  mine = (row_offset + jnp.arange(n))[:, None] == jnp.arange(b)[None, :]  # [n, B]
+  pos = mine[:, None, :, None] & crop_valid_all[None, None]  # [n, 1, B, K]
+  den = jax.nn.logsumexp(jnp.where(crop_valid_all[None, None], logits, _NEG).reshape(n, c, -1), axis=-1)
+  num = jax.nn.logsumexp(jnp.where(pos, logits, _NEG).reshape(n, c, -1), axis=-1)
+  per_chunk = jnp.where(chunk_valid, den - num, 0.0)
+  count = jnp.sum(chunk_valid, axis=1)
+  applies = (count > 0) & jnp.any(pos.reshape(n, -1), axis=1)
+  return jnp.where(applies, jnp.sum(per_chunk, axis=1) / jnp.maximum(count, 1), 0.0), applies
+
+
 def token_scores(img_r, txt_c, mask_c):
   """FILIP late-interaction scores of r images against c captions, both directions from one similarity tensor.
 

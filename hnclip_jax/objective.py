@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from hnclip_jax import losses, sharding
-from hnclip_jax.models.clip import SEGMENT_KEYS
+from hnclip_jax.models.clip import SEGMENT_KEYS, STRUCTURE_KEYS
 
 # Outputs without a batch dimension (everything else in an outputs dict is [B, ...]).
 GLOBAL_OUTPUTS = ("scale",)
@@ -61,6 +61,14 @@ class Objective:
   goal_patch_weight: float = 0.0  # w_p: GOAL's patch-pool-to-crop alignment
   goal_text_weight: float = 0.0  # w_t: GOAL's sentence-span-to-sentence alignment
   goal_segment_margin: bool = False  # L_HN's margin (γ·Ḡ of the sentences) in the segment term too
+  sx_structure_weight: float = 0.0  # StructXLIP: edge map vs caption-without-appearance-words InfoNCE
+  sx_consistency_weight: float = 0.0  # StructXLIP: 1 − cos(image, its edge map)
+  sx_local_weight: float = 0.0  # StructXLIP: caption chunks vs the example's own segment edge crops
+  sx_floors: tuple = (0.7, 0.5, 0.4)  # the three weights' schedule floors
+  sx_decay_epochs: int = 8  # the weights decay (cosine) from epoch 1 to this epoch, then stay at the floor
+  sx_steps_per_epoch: int = 0  # 0: no schedule (full weights)
+  sx_tau: float = 0.07  # the local term's temperature: its multiplier is min(s / tau, 100)
+  sx_structure_margin: bool = False  # L_HN's margin (γ·Ḡ of the structure captions) in the structure term too
   batch_axes: tuple = sharding.BATCH_AXES
 
   @classmethod
@@ -79,6 +87,12 @@ class Objective:
       g = config.goal
       obj = obj.replace(goal_segment_weight=float(g.segment_weight), goal_patch_weight=float(g.patch_weight),
                         goal_text_weight=float(g.text_weight), goal_segment_margin=bool(g.segment_margin))
+    if config is not None and config.get("framework", "longclip") == "structxlip":
+      x = config.structxlip
+      obj = obj.replace(sx_structure_weight=float(x.structure_weight), sx_consistency_weight=float(x.consistency_weight),
+                        sx_local_weight=float(x.local_weight), sx_floors=tuple(float(f) for f in x.floors),
+                        sx_decay_epochs=int(x.decay_epochs), sx_steps_per_epoch=max(int(x.steps_per_epoch), 0),
+                        sx_tau=float(x.tau), sx_structure_margin=bool(x.structure_margin))
     return obj
 
   def check(self, model_cfg) -> None:
@@ -110,14 +124,20 @@ class Objective:
     return self.goal_segment_weight > 0 or self.goal_patch_weight > 0 or self.goal_text_weight > 0
 
   @property
+  def needs_structure(self) -> bool:
+    return self.sx_structure_weight > 0 or self.sx_consistency_weight > 0 or self.sx_local_weight > 0
+
+  @property
   def term_names(self) -> tuple:
     return (("hn",) + (("tok",) if self.needs_tokens else ()) + (("fine",) if self.needs_aggregates else ())
-            + (("seg", "patch", "span") if self.needs_segments else ()))
+            + (("seg", "patch", "span") if self.needs_segments else ())
+            + (("struct", "consist", "local") if self.needs_structure else ()))
 
   @property
   def input_keys(self) -> tuple:
     """The batch entries `forward` reads."""
-    return ("image", "tokens") + (SEGMENT_KEYS if self.needs_segments else ())
+    return (("image", "tokens") + (SEGMENT_KEYS if self.needs_segments else ())
+            + (STRUCTURE_KEYS if self.needs_structure else ()))
 
   @property
   def model_kwargs(self) -> dict:
@@ -133,7 +153,9 @@ class Objective:
     """The model's outputs dict for a batch: inputs {"image" [B, H, W, 3], "tokens" [B, L], and the segment inputs
     when a GOAL term is on} (`input_keys`); rng: adapter dropout key."""
     segments = {k: inputs[k] for k in SEGMENT_KEYS} if self.needs_segments else None
-    out = model(inputs["image"], inputs["tokens"], dropout_rng=rng, segments=segments, **self.model_kwargs)
+    structure = {k: inputs[k] for k in STRUCTURE_KEYS} if self.needs_structure else None
+    out = model(inputs["image"], inputs["tokens"], dropout_rng=rng, segments=segments, structure=structure,
+                **self.model_kwargs)
     if not self.needs_tokens:  # the aggregates were made from them; the loss does not read them
       out = {k: v for k, v in out.items() if k not in ("img_tokens", "txt_tokens", "txt_mask")}
     return out
@@ -143,6 +165,17 @@ class Objective:
     if step is None or not self.finelip_ramp_steps:
       return jnp.float32(1.0)
     return jnp.minimum(jnp.asarray(step, jnp.float32) / self.finelip_ramp_steps, 1.0)
+
+  def sx_factors(self, step):
+    """StructXLIP's per-epoch weight factors at `step` ([3]: structure, consistency, local; None: epoch 0): 1 in
+    epochs 0 and 1, then a cosine decay to each floor at epoch `sx_decay_epochs`, the floor after."""
+    floors = jnp.asarray(self.sx_floors, jnp.float32)
+    if step is None or not self.sx_steps_per_epoch:
+      return jnp.ones(3, jnp.float32)
+    epoch = jnp.floor(jnp.asarray(step, jnp.float32) / self.sx_steps_per_epoch)
+    span = max(self.sx_decay_epochs - 1, 1)
+    progress = jnp.clip(epoch - 1.0, 0.0, span)
+    return floors + (1.0 - floors) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress / span))
 
   def __call__(self, outputs: dict, mesh, step=None):
     """outputs: the model's outputs dict, [B, ...] leaves sharded over the batch axes of `mesh`; step: the train
@@ -156,9 +189,11 @@ class Objective:
     batch = outputs["img"].shape[0]
     specs = {k: P() if k in GLOBAL_OUTPUTS else P(axes) for k in outputs}
 
-    ramp = self.ramp(step) if self.needs_aggregates else None
+    sched = {"ramp": self.ramp(step) if self.needs_aggregates else jnp.float32(1.0),
+             "sx": self.sx_factors(step) if self.needs_structure else jnp.ones(3, jnp.float32)}
 
-    def local(out, ramp):
+    def local(out, sched):
+      ramp = sched["ramp"]
       n = out["img"].shape[0]
       offset = jax.lax.axis_index(axes) * n
       gather = lambda x: jax.lax.all_gather(x, axes, axis=0, tiled=True)  # [n, ...] -> [B, ...]
@@ -207,13 +242,30 @@ class Objective:
                              + self.goal_patch_weight * patch / n_patch + self.goal_text_weight * span / n_span)
         loss = loss + (self.goal_segment_weight * terms["seg"] + self.goal_patch_weight * terms["patch"]
                        + self.goal_text_weight * terms["span"])
+      if self.needs_structure:
+        w_sc, w_rgb, w_loc = (sched["sx"][j] * w for j, w in enumerate(
+            (self.sx_structure_weight, self.sx_consistency_weight, self.sx_local_weight)))
+        # The structure term's logits use s as a constant (the authors detach it); the local term's use
+        # min(s / tau, 100) with s trained.
+        sc_gamma = self.gamma if self.sx_structure_margin else 0
+        xi2t, xt2i = losses.contrastive_rows(out["sx_edge_img"], out["sx_txt"], gather(out["sx_edge_img"]),
+                                             gather(out["sx_txt"]), jax.lax.stop_gradient(scale), sc_gamma, offset)
+        consist = 1.0 - jnp.sum(out["img"].astype(jnp.float32) * out["sx_edge_img"], axis=-1)
+        loc, applies = losses.multi_positive_rows(
+            out["sx_chunks"], out["sx_chunk_valid"], gather(out["sx_crop_img"]), gather(out["sx_crop_valid"]),
+            jnp.minimum(scale / self.sx_tau, 100.0), offset)
+        n_loc = jnp.maximum(jax.lax.psum(jnp.sum(applies.astype(jnp.float32)), axes), 1.0)
+        terms["struct"] = jax.lax.psum(jnp.sum(xi2t) + jnp.sum(xt2i), axes) / (2 * batch)
+        terms["consist"] = jax.lax.psum(jnp.sum(consist), axes) / batch
+        terms["local"] = jax.lax.psum(jnp.sum(loc), axes) / n_loc
+        per = per + w_sc * 0.5 * (xi2t + xt2i) + w_rgb * consist + w_loc * batch * loc / n_loc
+        loss = loss + w_sc * terms["struct"] + w_rgb * terms["consist"] + w_loc * terms["local"]
       return loss, {"terms": terms, "per_example": per}
 
     out_specs = (P(), {"terms": {k: P() for k in self.term_names},
                        "per_example": P(axes)})
     fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=out_specs)
-    return fn({k: (jnp.asarray(v, jnp.float32) if k in GLOBAL_OUTPUTS else v) for k, v in outputs.items()},
-              jnp.float32(1.0) if ramp is None else ramp)
+    return fn({k: (jnp.asarray(v, jnp.float32) if k in GLOBAL_OUTPUTS else v) for k, v in outputs.items()}, sched)
 
   def _global_rows(self, img, txt, img_all, txt_all, scale, offset):
     """L_HN's per-example (i2t [n], t2i [n]) for this device's rows, `chunk_size` rows at a time if set."""

@@ -166,9 +166,17 @@ def trained_params(opt_state) -> list:
   return [leaf for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s) for leaf in jax.tree.leaves(s.mu)]
 
 
-def clamp_logit_scale(params: dict) -> dict:
-  """The logit-scale parameter clipped to [0, ln 100] (OpenAI / open_clip: after the update, not in the forward)."""
-  return {**params, SCALE_PARAM: jnp.clip(params[SCALE_PARAM], 0.0, LOGIT_SCALE_PARAM_MAX)}
+def clamp_logit_scale(params: dict, upper: float = LOGIT_SCALE_PARAM_MAX) -> dict:
+  """The logit-scale parameter clipped to [0, upper] (OpenAI / open_clip: ln 100, after the update, not in the
+  forward; StructXLIP: 3.5)."""
+  return {**params, SCALE_PARAM: jnp.clip(params[SCALE_PARAM], 0.0, upper)}
+
+
+def logit_scale_max(config) -> float:
+  """The logit-scale parameter's upper clamp: ln 100, or config.structxlip.logit_scale_max in StructXLIP."""
+  if config.get("framework") == "structxlip":
+    return float(config.structxlip.logit_scale_max)
+  return LOGIT_SCALE_PARAM_MAX
 
 
 def init_state(params, tx) -> dict:
@@ -341,6 +349,7 @@ def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings, froze
   objective = Objective.from_config(config.loss, config)
   grad_fn = make_grad_fn(graphdef, mesh, objective, config.grad_accum_steps, config.loss.negatives, frozen)
   clamp = config.optimizer.train_logit_scale and not (frozen is not None and frozen(SCALE_PARAM))
+  upper = logit_scale_max(config)
   # Adapter dropout: a key per step (and per micro-batch inside it), a pure function of config.seed and the step, so
   # a resumed run draws the same masks.
   dropout = config.finetune.method != "full" and float(config.finetune.dropout) > 0
@@ -360,7 +369,7 @@ def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings, froze
     def update(params, opt_state):
       updates, opt_state = tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
-      return (clamp_logit_scale(params) if clamp else params), opt_state
+      return (clamp_logit_scale(params, upper) if clamp else params), opt_state
 
     params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), state["params"], state["opt_state"])
     bad = state["nonfinite_steps"] + jnp.where(finite, 0, 1)
@@ -452,4 +461,11 @@ def abstract_batch(config, model_cfg, mesh) -> dict:
                   "seg_patches": jax.ShapeDtypeStruct((b, p), jnp.float32, sharding=sh),
                   "seg_span": jax.ShapeDtypeStruct((b, l), jnp.float32, sharding=sh),
                   "seg_valid": jax.ShapeDtypeStruct((b,), jnp.bool_, sharding=sh)})
+  if Objective.from_config(config.loss, config).needs_structure:
+    sx = config.structxlip
+    k, c = int(sx.top_k), int(sx.max_chunks)
+    batch.update({"sx_edge": batch["image"], "sx_tokens": batch["tokens"],
+                  "sx_crop_edges": jax.ShapeDtypeStruct((b, k, s, s, 3), jnp.float32, sharding=sh),
+                  "sx_crop_valid": jax.ShapeDtypeStruct((b, k), jnp.bool_, sharding=sh),
+                  "sx_chunks": jax.ShapeDtypeStruct((b, c, l), jnp.float32, sharding=sh)})
   return batch

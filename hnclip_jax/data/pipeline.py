@@ -1,6 +1,7 @@
 """grain input pipelines: deterministic, resumable training batches and padded eval batches."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import grain
@@ -138,16 +139,70 @@ def segment_inputs(ex, caption: str, tokenizer, image_size: int, patch_size: int
           "seg_span": span, "seg_valid": np.bool_(True)}
 
 
+# ---- StructXLIP (config.framework="structxlip"): edge maps, the caption without appearance words, its chunks ----
+@dataclasses.dataclass(frozen=True)
+class StructureSettings:
+  """config.structxlip's input settings (`from_config`)."""
+  top_k: int = 3  # segment edge crops per example
+  canny_low: float = 100.0
+  canny_high: float = 200.0
+  remove: tuple = ("colors",)  # structure.VISUAL_WORDS groups removed from the structure caption
+  base_window: int = 3
+  stride: int = 1
+  max_chunks: int = 64
+
+  @classmethod
+  def from_config(cls, sx) -> "StructureSettings":
+    remove = (sx.remove,) if isinstance(sx.remove, str) else tuple(sx.remove)
+    return cls(int(sx.top_k), float(sx.canny_low), float(sx.canny_high), remove, int(sx.base_window),
+               int(sx.stride), int(sx.max_chunks))
+
+
+def top_segments(segments, k: int, seed: int, step: int, index: int) -> list:
+  """The `k` best-scoring segments (ties in a random order per step, a pure function of (seed, step, example))."""
+  jitter = np.random.default_rng([seed, step, index, 2]).random(len(segments))
+  order = sorted(range(len(segments)), key=lambda j: (-segments[j]["score"], jitter[j]))
+  return [segments[j] for j in order[:k]]
+
+
+def structure_inputs(ex, caption: str, image_u8: np.ndarray, tokenizer, image_size: int, settings: StructureSettings,
+                     seed: int, step: int, index: int) -> dict:
+  """StructXLIP's inputs of one example: "sx_edge" (the edge map of the preprocessed image `image_u8`,
+  CLIP-normalised), "sx_crop_edges" [top_k, S, S, 3] (edge maps of the best segments' crops, each crop
+  preprocessed like an image first) with "sx_crop_valid" [top_k], "sx_tokens" (the caption without appearance
+  words) and "sx_chunks" [max_chunks, L] (its word-window chunks as token masks)."""
+  from hnclip_jax.data import structure
+  st = settings
+  edge = normalize(structure.edge_map(image_u8, st.canny_low, st.canny_high))
+  crops = np.zeros((st.top_k, image_size, image_size, 3), np.float32)
+  valid = np.zeros(st.top_k, bool)
+  segments = segments_of(ex)
+  if segments:
+    image = ex["image"] if isinstance(ex["image"], Image.Image) else Image.fromarray(np.asarray(ex["image"]).squeeze())
+    image = image.convert("RGB")
+    for j, seg in enumerate(top_segments(segments, st.top_k, seed, step, index)):
+      box = manual.check_box(list(seg["box"]), image.width, image.height, f"example {index} segment")
+      crop = resize_center_crop(manual.crop_box(image, box), image_size)
+      crops[j], valid[j] = normalize(structure.edge_map(crop, st.canny_low, st.canny_high)), True
+  filtered = structure.filter_caption(caption, st.remove)
+  return {"sx_edge": edge, "sx_crop_edges": crops, "sx_crop_valid": valid, "sx_tokens": tokenizer([filtered])[0],
+          "sx_chunks": structure.chunk_masks(filtered, tokenizer, st.max_chunks, st.base_window, st.stride)}
+
+
 class _Preprocess(grain.transforms.Map):
 
-  def __init__(self, tokenizer, image_size, patch_size: int = 0):
-    self.tokenizer, self.image_size, self.patch_size = tokenizer, image_size, patch_size
+  def __init__(self, tokenizer, image_size, patch_size: int = 0, structure: StructureSettings | None = None):
+    self.tokenizer, self.image_size, self.patch_size, self.structure = tokenizer, image_size, patch_size, structure
 
   def map(self, ex, caption: int = 0, seed: int = 0, step: int = 0, index: int = 0):
     text = captions_of(ex)[caption]
-    out = {"image": clip_preprocess(ex["image"], self.image_size), "tokens": self.tokenizer([text])[0]}
+    pixels = resize_center_crop(ex["image"], self.image_size)
+    out = {"image": normalize(pixels), "tokens": self.tokenizer([text])[0]}
     if self.patch_size:
       out.update(segment_inputs(ex, text, self.tokenizer, self.image_size, self.patch_size, seed, step, index))
+    if self.structure is not None:
+      out.update(structure_inputs(ex, text, pixels, self.tokenizer, self.image_size, self.structure, seed, step,
+                                  index))
     return out
 
 
@@ -156,9 +211,9 @@ class _LoadRows(grain.transforms.MapWithIndex):
   with several captions contributes the one `caption_choice` picks for this step; with `patch_size`, also the
   segment inputs (`segment_inputs`) of the segment `segment_choice` picks."""
 
-  def __init__(self, source, tokenizer, image_size, rows: slice, seed: int, patch_size: int = 0):
+  def __init__(self, source, tokenizer, image_size, rows: slice, seed: int, patch_size: int = 0, structure=None):
     self.source, self.rows, self.seed = source, rows, seed
-    self.pre = _Preprocess(tokenizer, image_size, patch_size)
+    self.pre = _Preprocess(tokenizer, image_size, patch_size, structure)
 
   def map_with_index(self, step, indices):
     mine = indices[self.rows]
@@ -174,7 +229,7 @@ class _LoadRows(grain.transforms.MapWithIndex):
 
 def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed: int, start_step: int = 0,
                   process_index: int = 0, process_count: int = 1, workers: int = 0, prefetch: int = 4,
-                  segment_patch_size: int = 0):
+                  segment_patch_size: int = 0, structure: StructureSettings | None = None):
   """Infinite iterator of this process's batches: image f32 [b,H,W,3], tokens int32 [b,L], b = global_batch / processes.
 
   The global batch order is shuffled per epoch from `seed` and does not depend on
@@ -183,7 +238,7 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
   of (seed, k), so `start_step` resumes the exact stream of an uninterrupted run.
   An image with several captions appears once per batch, with the caption
   `caption_choice(seed, k, index)` picks. segment_patch_size > 0 (the model's patch size; GOAL) adds each row's
-  segment inputs (SEGMENT_KEYS, `segment_inputs`).
+  segment inputs (SEGMENT_KEYS, `segment_inputs`); `structure` (StructXLIP) its inputs (`structure_inputs`).
   """
   if global_batch % process_count:
     raise ValueError(f"config.batch_size={global_batch} is not divisible by the {process_count} processes")
@@ -193,7 +248,7 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
                      "lower config.batch_size")
   rows = slice(process_index * local, (process_index + 1) * local)
   ds = (grain.MapDataset.range(len(source)).shuffle(seed=seed).batch(global_batch, drop_remainder=True)
-        .repeat().map_with_index(_LoadRows(source, tokenizer, image_size, rows, seed, segment_patch_size))[start_step:])
+        .repeat().map_with_index(_LoadRows(source, tokenizer, image_size, rows, seed, segment_patch_size, structure))[start_step:])
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, prefetch), prefetch_buffer_size=prefetch))
   if workers > 0:
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))

@@ -15,6 +15,8 @@ from flax import nnx
 
 # GOAL's per-example segment inputs (made by hnclip_jax.data.pipeline.segment_inputs, read by `CLIP.__call__`).
 SEGMENT_KEYS = ("seg_image", "seg_tokens", "seg_patches", "seg_span", "seg_valid")
+# StructXLIP's per-example inputs (hnclip_jax.data.pipeline.structure_inputs).
+STRUCTURE_KEYS = ("sx_edge", "sx_crop_edges", "sx_crop_valid", "sx_tokens", "sx_chunks")
 LOGIT_SCALE_MAX = 100.0
 # The logit-scale *parameter* p (s = exp(p)) is clamped to [0, ln 100] after each optimizer update, as OpenAI's and
 # open_clip's training do (train_step), never in the forward pass: a clamp there would give s a gradient of exactly
@@ -459,6 +461,18 @@ class CLIP(nnx.Module):
     CLS token goes) -> [B, E], unnormalised. An all-zero mask gives the LayerNorm of a zero vector (its bias)."""
     return self.ln_post(_masked_mean(hidden[:, 1:], mask)) @ self.visual_projection[...].astype(hidden.dtype)
 
+  def pool_chunks(self, hidden, masks):
+    """StructXLIP's chunk embeddings: for each chunk (masks [B, C, L], 1 on its tokens) the text tower's last-block
+    outputs (hidden [B, L, W]) weighted by a softmax, over the chunk's tokens, of their norms (a constant: no
+    gradient through the weights), then the final LayerNorm and projection -> [B, C, E], unnormalised."""
+    norms = jax.lax.stop_gradient(jnp.linalg.norm(hidden.astype(jnp.float32), axis=-1))  # [B, L]
+    inside = masks > 0
+    w = jax.nn.softmax(jnp.where(inside, norms[:, None, :], -1e30), axis=-1) * inside  # empty chunk: all 0
+    precision = jax.lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
+    pooled = jnp.einsum("bcl,blw->bcw", w.astype(hidden.dtype), hidden, precision=precision,
+                        preferred_element_type=jnp.float32).astype(hidden.dtype)
+    return self.ln_final(pooled) @ self.text_projection[...].astype(hidden.dtype)
+
   def pool_span(self, hidden, mask):
     """GOAL's sentence-in-caption embedding: the text tower's last-block outputs (hidden [B, L, W]) averaged over
     `mask` [B, L] (1 on the sentence's tokens), then the final LayerNorm and projection -> [B, E], unnormalised."""
@@ -506,7 +520,8 @@ class CLIP(nnx.Module):
     return self.aggregate_text(self.text_tower(tokens, token_layer)[1], tokens)
 
   def __call__(self, pixels, tokens, *, token_layer: int | None = None, image_cls_token: bool = False,
-               aggregate: bool = False, segments: dict | None = None, dropout_rng=None):
+               aggregate: bool = False, segments: dict | None = None, structure: dict | None = None,
+               dropout_rng=None):
     """The training forward pass: pixels [B, H, W, 3], tokens [B, L] -> outputs dict.
 
     Always: "img", "txt" [B, E] L2-normalised fp32 and "scale" (s, a scalar: the only entry without a batch
@@ -519,6 +534,11 @@ class CLIP(nnx.Module):
     (its sentence's), "patch_pool" (`pool_patches` under the box), "span_pool" (`pool_span` over the sentence's
     tokens in the caption), all [B, E] L2-normalised fp32, and [B] bools "seg_valid", "patch_valid" (a segment
     whose box covers a patch), "span_valid" (a segment whose sentence was found in the caption's tokens).
+    With `structure` (StructXLIP; STRUCTURE_KEYS: sx_edge [B, H, W, 3], sx_crop_edges [B, K, H, W, 3],
+    sx_crop_valid [B, K] bool, sx_tokens [B, L], sx_chunks [B, C, L]): "sx_edge_img" (the edge map's embedding),
+    "sx_crop_img" [B, K, E] (the segment crops' edge maps'), "sx_txt" (the caption without appearance words),
+    "sx_chunks" [B, C, E] (`pool_chunks` of that caption's chunks), all L2-normalised fp32, and bools
+    "sx_crop_valid" [B, K], "sx_chunk_valid" [B, C] (a chunk with at least one token).
     dropout_rng: a key for the adapters' dropout (training); None (eval, and every model without it) is no dropout.
     """
     img, img_tok, img_hidden = self._image_tower(pixels, token_layer, _key(dropout_rng, 0))
@@ -534,6 +554,18 @@ class CLIP(nnx.Module):
       out["seg_valid"] = valid
       out["patch_valid"] = valid & (jnp.sum(patches, axis=1) > 0)
       out["span_valid"] = valid & (jnp.sum(span, axis=1) > 0)
+    if structure is not None:
+      crops = structure["sx_crop_edges"]
+      b, k = crops.shape[:2]
+      out["sx_edge_img"] = _l2_normalize(self.image_tower(structure["sx_edge"], rng=_key(dropout_rng, 4))[0])
+      crop_emb = self.image_tower(crops.reshape(b * k, *crops.shape[2:]), rng=_key(dropout_rng, 5))[0]
+      out["sx_crop_img"] = _l2_normalize(crop_emb).reshape(b, k, -1)
+      sx_txt, _, sx_hidden = self._text_tower(structure["sx_tokens"], rng=_key(dropout_rng, 6))
+      masks = structure["sx_chunks"].astype(jnp.float32)
+      out["sx_txt"] = _l2_normalize(sx_txt)
+      out["sx_chunks"] = _l2_normalize(self.pool_chunks(sx_hidden, masks))
+      out["sx_crop_valid"] = structure["sx_crop_valid"].astype(bool)
+      out["sx_chunk_valid"] = jnp.sum(masks, axis=-1) > 0
     if aggregate:
       if token_layer is None:
         raise ValueError("aggregate=True needs token_layer (the tokens to aggregate)")
