@@ -97,10 +97,11 @@ def make_step(cfg, gamma: float, mesh, opt_overrides=None, loss_overrides=None, 
   return step, tx, sh, graphdef, run_cfg
 
 
-def random_batch(cfg, batch: int, mesh, seed: int = 0, segments: bool = False):
+def random_batch(cfg, batch: int, mesh, seed: int = 0, segments: bool = False, structure=None):
   """A global batch for model config `cfg` on `mesh`: normal-noise images and full-length token rows
   (BOS id 1, random ids, EOT); with `segments`, GOAL's segment inputs too (crops, sentences, a box of a quarter of
-  the patches, a span of a quarter of the caption, every row valid)."""
+  the patches, a span of a quarter of the caption, every row valid); with `structure` = (top_k, max_chunks),
+  StructXLIP's inputs."""
   import numpy as np
   from hnclip_jax import sharding
   r = np.random.default_rng(seed)
@@ -116,4 +117,11 @@ def random_batch(cfg, batch: int, mesh, seed: int = 0, segments: bool = False):
     span[:, 1:1 + length // 4] = 1
     data.update(seg_image=image(), seg_tokens=np.roll(ids, 1, axis=0), seg_patches=patches.reshape(batch, -1),
                 seg_span=span, seg_valid=np.ones(batch, bool))
+  if structure is not None:  # StructXLIP: (top_k crops, max_chunks); every crop valid, 16 chunks of 3 tokens each
+    k, c = structure
+    chunks = np.zeros((batch, c, cfg.text_context), np.float32)
+    for j in range(min(16, c, cfg.text_context - 4)):
+      chunks[:, j, 1 + j:4 + j] = 1
+    data.update(sx_edge=image(), sx_crop_edges=r.normal(size=(batch, k, cfg.image_size, cfg.image_size, 3)).astype(
+        np.float32), sx_crop_valid=np.ones((batch, k), bool), sx_tokens=np.roll(ids, 2, axis=0), sx_chunks=chunks)
   return sharding.to_global(data, mesh)

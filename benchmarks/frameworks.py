@@ -5,8 +5,9 @@ timed in alternating order, plus XLA's FLOPs of each compiled step (no timing no
   python benchmarks/frameworks.py [--models tiny,vit_b16] [--batch tiny=128,vit_b16=8] [--reps 5] [--json out.json]
 
 The paper reports training time relative to HN-CLIP for GOAL (2.4x) and StructXLIP (5.4x). GOAL's step includes its
-second forward/backward pass (segment crops and sentences) but not the host's crop making (the input pipeline, which
-overlaps the step); StructXLIP is not implemented yet (docs/frameworks.md), so its row is absent.
+second forward/backward pass (segment crops and sentences), StructXLIP's its passes over the edge map, the top-3
+segment crops' edge maps and the structure caption; neither includes the host's work (crops, Canny edge maps, caption
+filtering and chunking happen in the input pipeline, which overlaps the step; `config.workers` adds processes).
 """
 import argparse
 import dataclasses
@@ -24,7 +25,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import alternating_times, dump, random_batch, table  # noqa: E402
 from hnclip_jax.models import PRESETS  # noqa: E402
 
-FRAMEWORKS = ("longclip", "finelip", "goal")
+FRAMEWORKS = ("longclip", "finelip", "goal", "structxlip")
 
 
 def program_for(cfg, framework: str, batch: int):
@@ -34,6 +35,8 @@ def program_for(cfg, framework: str, batch: int):
   config.optimizer.warmup_steps = 1
   if framework == "finelip":
     config.finelip.ramp_steps = 0  # the hinge at full weight (the same program either way)
+  if framework == "structxlip":
+    config.structxlip.steps_per_epoch = 0  # the weights' schedule does not change the program
   config.diagnostics.log = False
   model_cfg = dataclasses.replace(cfg, **config_lib.framework_fields(config)).validate()
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
@@ -49,6 +52,7 @@ def main():
   a = ap.parse_args()
   batches = {k: int(v) for k, v in (kv.split("=") for kv in a.batch.split(","))}
   from hnclip_jax import train_step
+  from hnclip_jax.config import base_config
   from hnclip_jax.models import init_params
   rows = []
   for name in a.models.split(","):
@@ -56,7 +60,10 @@ def main():
     steps, flops = {}, {}
     for fw in FRAMEWORKS:
       program, model_cfg, mesh = program_for(cfg, fw, batch)
-      data = random_batch(model_cfg, batch, mesh, segments=program.objective.needs_segments)
+      obj = program.objective
+      sx = base_config().structxlip
+      data = random_batch(model_cfg, batch, mesh, segments=obj.needs_segments,
+                          structure=(int(sx.top_k), int(sx.max_chunks)) if obj.needs_structure else None)
       compiled = program.step.lower(program.target(), data).compile()
       cost = compiled.cost_analysis()
       flops[fw] = float((cost[0] if isinstance(cost, list) else cost)["flops"])

@@ -148,6 +148,32 @@ for shape, kw in [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2}), ((4, 1
   out["goal_layouts"][f"{shape} {kw}"] = {"loss_rel": abs(loss - g_loss) / g_loss, "grad_rel": max_rel(grads, g_grads)}
 out["goal_differs"] = abs(g_loss - grads_on((1, 1, 1), data=goal_batch)[0]) / g_loss
 
+# StructXLIP (config.framework="structxlip"): L_HN + structure InfoNCE (γ·Ḡ of the structure captions) + RGB-edge
+# consistency + the local chunk-vs-crop term, with rows lacking crops or chunks: every layout, accumulation, chunks.
+K, C = 2, 3
+sx_batch = dict(batch)
+sx_batch["sx_edge"] = rng.normal(size=(B, 16, 16, 3)).astype(np.float32)
+sx_batch["sx_crop_edges"] = rng.normal(size=(B, K, 16, 16, 3)).astype(np.float32)
+crop_valid = rng.random((B, K)) < 0.7
+crop_valid[5] = False
+sx_batch["sx_crop_valid"] = crop_valid
+sx_batch["sx_tokens"] = np.roll(tokens, 5, axis=0).astype(np.int32)
+chunks = np.zeros((B, C, 8), np.float32)
+for i in range(B):
+  for c in range(C):
+    if (i + c) % 4:
+      chunks[i, c, 1 + c:3 + c] = 1
+sx_batch["sx_chunks"] = chunks
+sx = dict(sx_structure_weight=0.5, sx_consistency_weight=0.3, sx_local_weight=0.4, sx_structure_margin=True,
+          data=sx_batch)
+x_loss, x_grads, _ = grads_on((1, 1, 1), **sx)
+out["structxlip_layouts"] = {}
+for shape, kw in [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2}), ((4, 1, 1), {"chunk": 1})]:
+  loss, grads, _ = grads_on(shape, **kw, **sx)
+  out["structxlip_layouts"][f"{shape} {kw}"] = {"loss_rel": abs(loss - x_loss) / x_loss,
+                                                "grad_rel": max_rel(grads, x_grads)}
+out["structxlip_differs"] = abs(x_loss - grads_on((1, 1, 1), data=sx_batch)[0]) / x_loss
+
 # Optimizer state follows the parameters.
 mesh = mesh_of((2, 2, 2))
 tx = train_step.make_optimizer(ml_collections.ConfigDict(dict(lr=1e-3, weight_decay=0.1, warmup_steps=1, b1=0.9, b2=0.98,

@@ -81,6 +81,16 @@ def test_goal_every_layout_matches_one_device(checks):
     assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (name, r)
 
 
+def test_structxlip_every_layout_matches_one_device(checks):
+  """StructXLIP (L_HN + structure InfoNCE with γ·Ḡ + consistency + the local chunk-vs-crop term; rows without
+  crops or chunks): the five layouts, global-batch accumulation and 1-row chunks give one device's loss and
+  gradients."""
+  x = checks["structxlip_layouts"]
+  assert checks["structxlip_differs"] > 1e-2 and len(x) == 7
+  for name, r in x.items():
+    assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (name, r)
+
+
 def test_gradient_accumulation(checks):
   assert len(checks["accum"]) == 3
   for name, r in checks["accum"].items():  # global-batch negatives: identical to no accumulation
