@@ -6,7 +6,7 @@ the model's outputs dict (`CLIP.__call__`: "img", "txt", "scale" and, when a ter
 "txt_tokens", "txt_mask").
 
     L = w_g·L_HN(γ) + λ·L_tok + w_f·ramp(step)·L_FineLIP + w_s·L_seg + w_p·L_patch + w_t·L_span
-                                                              (paper Eq. 2 and 3; λ = config.loss.token_weight)
+        + Σ_k w_k·factor_k(epoch)·L_k,  k ∈ {struct, consist, local}   (paper Eq. 2 and 3; λ = config.loss.token_weight)
 
 w_g = 1 and w_f = 0 except in config.framework="finelip" (docs/frameworks.md): there L_FineLIP is FineLIP's hinge
 over late-interaction scores of aggregated tokens, w_f = config.finelip.weight, ramped linearly from 0 over
@@ -14,7 +14,10 @@ config.finelip.ramp_steps, and w_g = config.finelip.global_weight (FineLIP's rel
 paper's swap adds L_HN). w_s, w_p, w_t are GOAL's (config.framework="goal", config.goal): L_seg is InfoNCE between
 segment crops and their sentences over the examples that have a segment (with γ·Ḡ of the sentences when
 config.goal.segment_margin), L_patch = mean (cos(patch_pool, seg_img) − 1)², L_span = mean (cos(span_pool,
-seg_txt) − 1)², each over the examples where it applies.
+seg_txt) − 1)², each over the examples where it applies. The last sum is StructXLIP's (config.framework="structxlip",
+config.structxlip): InfoNCE of edge maps vs structure captions (s constant), 1 − cos(image, edge map), and the
+multi-positive InfoNCE of structure-caption chunks vs the example's own segment edge crops among all the batch's;
+docs/frameworks.md.
 
 On a mesh every device all-gathers what its terms need, builds only its own rows of each B×B score matrix against
 the whole batch (the math is in `hnclip_jax.losses`), and the per-device sums are reduced with psum; the gather's
