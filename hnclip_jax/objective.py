@@ -6,7 +6,8 @@ the model's outputs dict (`CLIP.__call__`: "img", "txt", "scale" and, when a ter
 "txt_tokens", "txt_mask").
 
     L = w_g·L_HN(γ) + λ·L_tok + w_f·ramp(step)·L_FineLIP + w_s·L_seg + w_p·L_patch + w_t·L_span
-        + Σ_k w_k·factor_k(epoch)·L_k,  k ∈ {struct, consist, local}   (paper Eq. 2 and 3; λ = config.loss.token_weight)
+        + Σ_k w_k·factor_k(epoch)·L_k,  k ∈ {struct, consist, local}
+                                                              (paper Eq. 2 and 3; λ = config.loss.token_weight)
 
 w_g = 1 and w_f = 0 except in config.framework="finelip" (docs/frameworks.md): there L_FineLIP is FineLIP's hinge
 over late-interaction scores of aggregated tokens, w_f = config.finelip.weight, ramped linearly from 0 over
@@ -92,7 +93,8 @@ class Objective:
                         goal_text_weight=float(g.text_weight), goal_segment_margin=bool(g.segment_margin))
     if config is not None and config.get("framework", "longclip") == "structxlip":
       x = config.structxlip
-      obj = obj.replace(sx_structure_weight=float(x.structure_weight), sx_consistency_weight=float(x.consistency_weight),
+      obj = obj.replace(sx_structure_weight=float(x.structure_weight),
+                        sx_consistency_weight=float(x.consistency_weight),
                         sx_local_weight=float(x.local_weight), sx_floors=tuple(float(f) for f in x.floors),
                         sx_decay_epochs=int(x.decay_epochs), sx_steps_per_epoch=max(int(x.steps_per_epoch), 0),
                         sx_tau=float(x.tau), sx_structure_margin=bool(x.structure_margin))

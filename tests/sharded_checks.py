@@ -240,4 +240,16 @@ hlo = jax.jit(jax.value_and_grad(f)).lower(agg).compile().as_text()
 sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"[fs]\d+\[([\d,]*)\]", hlo)]
 out["finelip_memory"] = {"largest_buffer": max(sizes), "BxBxTxT": TB * TB * FT * FT, "nxBxTxT": TB // 8 * TB * FT * FT,
                          "block": losses.TOKEN_BLOCK ** 2 * FT * FT}
+# StructXLIP's local term: each device scores its rows' chunks against all crops ([n, C, B·K]); no [B, C, B, K].
+XC, XK = 16, 3
+sxo = {k: tok[k] for k in ("img", "txt")}
+sxo.update({"sx_edge_img": tok["img"], "sx_txt": tok["txt"],
+            "sx_crop_img": jax.ShapeDtypeStruct((TB, XK, TE), jnp.float32, sharding=sh),
+            "sx_chunks": jax.ShapeDtypeStruct((TB, XC, TE), jnp.float32, sharding=sh)})
+sxm = {"sx_crop_valid": jax.ShapeDtypeStruct((TB, XK), jnp.bool_, sharding=sh),
+       "sx_chunk_valid": jax.ShapeDtypeStruct((TB, XC), jnp.bool_, sharding=sh)}
+f = lambda o, m: Objective(gamma=0.5, sx_local_weight=1.0)({**o, **m, "scale": jnp.float32(30.0)}, mesh)[0]
+hlo = jax.jit(jax.value_and_grad(f)).lower(sxo, sxm).compile().as_text()
+sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"[fs]\d+\[([\d,]*)\]", hlo)]
+out["structxlip_memory"] = {"largest_buffer": max(sizes), "rows": TB // 8 * XC * TB * XK, "full": TB * XC * TB * XK}
 print("RESULT " + json.dumps(out))

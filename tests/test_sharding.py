@@ -91,6 +91,11 @@ def test_structxlip_every_layout_matches_one_device(checks):
     assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (name, r)
 
 
+def test_structxlip_local_term_stays_per_row(checks):
+  m = checks["structxlip_memory"]
+  assert m["largest_buffer"] <= m["rows"] < m["full"], m
+
+
 def test_gradient_accumulation(checks):
   assert len(checks["accum"]) == 3
   for name, r in checks["accum"].items():  # global-batch negatives: identical to no accumulation

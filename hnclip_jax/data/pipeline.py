@@ -248,7 +248,8 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
                      "lower config.batch_size")
   rows = slice(process_index * local, (process_index + 1) * local)
   ds = (grain.MapDataset.range(len(source)).shuffle(seed=seed).batch(global_batch, drop_remainder=True)
-        .repeat().map_with_index(_LoadRows(source, tokenizer, image_size, rows, seed, segment_patch_size, structure))[start_step:])
+        .repeat().map_with_index(_LoadRows(source, tokenizer, image_size, rows, seed, segment_patch_size,
+                                           structure))[start_step:])
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, prefetch), prefetch_buffer_size=prefetch))
   if workers > 0:
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
