@@ -16,7 +16,7 @@ else
   retr=(--sizes 100000,1000000 --methods hnclip --argsort_max 0)
   loss=(--batches 1024,4096,16384,65536 --chunk 256 --dim 768 --devices 1)
   tok=(--models tiny,vit_b16 --batch tiny=1024,vit_b16=256 --reps 10)
-  fw=(--models tiny,vit_b16 --batch tiny=1024,vit_b16=128 --reps 10)
+  fw=(--models tiny,vit_b16 --batch tiny=1024,vit_b16=64 --reps 10)  # StructXLIP: 5 images per example
 fi
 python -c "import jax; print(jax.devices())" | tee "$out/devices.txt"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true; } >> "$out/devices.txt"

@@ -3,6 +3,10 @@ global term only), measured side by side in one process: the programs train.py b
 timed in alternating order, plus XLA's FLOPs of each compiled step (no timing noise).
 
   python benchmarks/frameworks.py [--models tiny,vit_b16] [--batch tiny=128,vit_b16=8] [--reps 5] [--json out.json]
+                                  [--frameworks finelip,goal,structxlip]
+
+Every compared program and its train state stay alive for the alternating timing: at ViT-B/16 batch 8 all four
+need ~23 GB of host memory on CPU; on a smaller host compare fewer at a time (--frameworks goal,structxlip).
 
 The paper reports training time relative to HN-CLIP for GOAL (2.4x) and StructXLIP (5.4x). GOAL's step includes its
 second forward/backward pass (segment crops and sentences), StructXLIP's its passes over the edge map, the top-3
@@ -48,6 +52,8 @@ def main():
   ap.add_argument("--models", default="tiny,vit_b16")
   ap.add_argument("--batch", default="tiny=128,vit_b16=8")
   ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--frameworks", default=",".join(FRAMEWORKS[1:]),
+                  help="compared with plain HN-CLIP (longclip), each side by side in the same run")
   ap.add_argument("--json", default="")
   a = ap.parse_args()
   batches = {k: int(v) for k, v in (kv.split("=") for kv in a.batch.split(","))}
@@ -58,7 +64,11 @@ def main():
   for name in a.models.split(","):
     cfg, batch = PRESETS[name], batches[name]
     steps, flops = {}, {}
-    for fw in FRAMEWORKS:
+    frameworks = ["longclip"] + [f for f in a.frameworks.split(",") if f and f != "longclip"]
+    unknown = [f for f in frameworks if f not in FRAMEWORKS]
+    if unknown:
+      raise SystemExit(f"--frameworks: unknown {unknown}; choose from {list(FRAMEWORKS[1:])}")
+    for fw in frameworks:
       program, model_cfg, mesh = program_for(cfg, fw, batch)
       obj = program.objective
       sx = base_config().structxlip
@@ -78,7 +88,7 @@ def main():
       steps[fw] = run
     times = alternating_times(steps, a.reps)
     base = np.array(times["longclip"])
-    for fw in FRAMEWORKS:
+    for fw in frameworks:
       t = np.array(times[fw])
       rows.append({"model": name, "batch": batch, "framework": fw, "step (s, median)": float(np.median(t)),
                    "time vs HN-CLIP (median of per-rep ratios)": float(np.median(t / base)),
