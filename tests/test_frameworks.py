@@ -278,8 +278,8 @@ def test_finelip_score_is_the_weighted_sum_of_cosine_and_late_interaction():
 
 def test_framework_config_is_checked():
   c = config_lib.base_config()
-  c.framework = "structxlip"
-  with pytest.raises(ValueError, match="config.framework='structxlip'.*not implemented yet"):
+  c.framework = "filip"
+  with pytest.raises(ValueError, match="config.framework='filip'; choose one of"):
     config_lib.validate(c)
   c.framework = "finelip"
   c.finelip.reduction = "avg"

@@ -17,6 +17,7 @@ from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.models import CLIPConfig, bind, init_params
 from hnclip_jax.objective import Objective
 from test_losses import np_reference
+from test_goal import _run
 from test_objective import _numeric_grad
 
 MESH = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES)
@@ -113,7 +114,7 @@ def test_structxlip_objective_matches_numpy(margin):
   obj = Objective(gamma=0.5, sx_structure_margin=margin, **SX)
   masks = {k: o[k] for k in ("sx_crop_valid", "sx_chunk_valid")}
   floats = {k: v for k, v in o.items() if k not in masks}
-  (loss, aux), g = jax.value_and_grad(lambda fl: obj({**fl, **masks}, MESH), has_aux=True)(floats)
+  (loss, aux), g = jax.jit(jax.value_and_grad(lambda fl: obj({**fl, **masks}, MESH), has_aux=True))(floats)
   want, (struct, consist, local) = np_sx(o, margin=margin)
   np.testing.assert_allclose(loss, want, rtol=1e-5)
   np.testing.assert_allclose([aux["terms"][k] for k in ("struct", "consist", "local")], [struct, consist, local],
@@ -146,16 +147,16 @@ def test_weight_schedule_matches_the_authors_formula():
     np.testing.assert_allclose(obj.sx_factors(step), want, rtol=1e-6, err_msg=str(step))
   np.testing.assert_allclose(Objective(**SX).sx_factors(500), np.ones(3))
   o = _outputs(2)
-  loss_late = obj(o, MESH, step=200)[0]
+  loss_late = _run(obj, o, 200)[0]
   want, terms = np_sx(o)
   hn = np_reference(o["img"], o["txt"], 5.0, 0.5)[0]
   np.testing.assert_allclose(loss_late, hn + np.dot(floors * [0.5, 0.05, 0.1], terms), rtol=1e-5)
-  np.testing.assert_allclose(obj(o, MESH, step=0)[0], want, rtol=1e-5)
+  np.testing.assert_allclose(_run(obj, o, 0)[0], want, rtol=1e-5)
 
 
 def test_gamma_zero_is_structxlip_with_plain_infonce():
   o = _outputs(3)
-  np.testing.assert_allclose(Objective(gamma=0.0, **SX)(o, MESH)[0], np_sx(o, gamma=0.0)[0], rtol=1e-5)
+  np.testing.assert_allclose(_run(Objective(gamma=0.0, **SX), o)[0], np_sx(o, gamma=0.0)[0], rtol=1e-5)
   assert Objective(**SX).term_names == ("hn", "struct", "consist", "local")
 
 
@@ -185,8 +186,8 @@ def test_model_structure_outputs_match_numpy():
         "sx_crop_edges": r.normal(size=(b, k, 16, 16, 3)).astype(np.float32),
         "sx_crop_valid": np.array([[True, False], [True, True], [False, False]]), "sx_tokens": tokens,
         "sx_chunks": chunks}
-  out = model(jnp.asarray(sx["sx_edge"]), jnp.asarray(tokens), structure=sx)
-  _, _, hidden = model._text_tower(jnp.asarray(tokens))
+  out = jax.jit(lambda p, x, t, st: bind(graphdef, p)(x, t, structure=st))(params, sx["sx_edge"], tokens, sx)
+  hidden = jax.jit(lambda p, t: bind(graphdef, p)._text_tower(t)[2])(params, tokens)
   h = np.asarray(hidden, np.float64)
   pp = jax.tree.map(np.asarray, params)
   for i in range(b):
@@ -200,12 +201,14 @@ def test_model_structure_outputs_match_numpy():
       np.testing.assert_allclose(out["sx_chunks"][i, j], want, rtol=1e-4, atol=1e-5)
   assert out["sx_chunk_valid"].tolist() == [[True, True, False, False], [True, False, False, False],
                                             [False, False, True, False]]
-  np.testing.assert_allclose(out["sx_edge_img"], model.encode_image(jnp.asarray(sx["sx_edge"])), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(out["sx_crop_img"][1, 1], model.encode_image(jnp.asarray(sx["sx_crop_edges"][1, 1:2]))[0],
+  enc_img = jax.jit(lambda p, x: bind(graphdef, p).encode_image(x))
+  np.testing.assert_allclose(out["sx_edge_img"], enc_img(params, sx["sx_edge"]), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out["sx_crop_img"][1, 1], enc_img(params, sx["sx_crop_edges"][1, 1:2])[0],
                              rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(out["sx_txt"], model.encode_text(jnp.asarray(tokens)), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out["sx_txt"], jax.jit(lambda p, t: bind(graphdef, p).encode_text(t))(params, tokens),
+                             rtol=1e-5, atol=1e-6)
   # No gradient through the pooling weights: d(pool)/d(hidden) is the softmax weights, not their derivative.
-  g = jax.grad(lambda hd: jnp.sum(model.pool_chunks(hd, jnp.asarray(chunks))[0, 0]))(hidden)
+  g = jax.jit(jax.grad(lambda hd: jnp.sum(model.pool_chunks(hd, jnp.asarray(chunks))[0, 0])))(hidden)
   assert np.all(np.asarray(g)[0, 3:] == 0) and np.abs(np.asarray(g)[0, 1:3]).max() > 0
 
 
