@@ -133,6 +133,34 @@ def test_dci_and_long_dci(tmp_path):
   assert long["sa_1003.jpg"][1] == (m / "densely_captioned_images" / "photos" / "sa_1003.jpg").read_bytes()
 
 
+def test_dci_masks_are_segments(tmp_path):
+  """DCI's masks become segments: bounds in pixels, "label: caption" for fine masks (score 1), the label for
+  low-quality ones (0.5), unusable ones left out; malformed bounds follow on_bad_example."""
+  m = tmp_path / "m"
+  dci_fixture(m)
+  ann = m / "densely_captioned_images" / "annotations" / "sa_1001.json"
+  masks = {"0": {"bounds": {"topLeft": {"x": 2, "y": 3}, "bottomRight": {"x": 12, "y": 9}}, "label": "A cup",
+                 "caption": "white, on a table", "mask_quality": 0},
+           "1": {"bounds": {"topLeft": {"x": 0, "y": 0}, "bottomRight": {"x": 5, "y": 5}}, "label": "Shadow",
+                 "caption": "dark", "mask_quality": 1},
+           "2": {"bounds": {"topLeft": {"x": 1, "y": 1}, "bottomRight": {"x": 4, "y": 4}}, "label": "blur",
+                 "caption": "", "mask_quality": 2}}
+  write(str(ann), json.dumps({"image": "sa_1001.jpg", "extra_caption": "Dense caption number 1.", "mask_data": masks}))
+  src = builders.data_source(cfg("dci", m, tmp_path / "d"), "train")
+  by_id = {src[i]["image_id"].decode(): pipeline.segments_of(src[i]) for i in range(len(src))}
+  got = by_id["sa_1001.jpg"]
+  assert [(list(map(float, s["box"])), s["sentence"], s["score"]) for s in got] == [
+      ([2.0, 3.0, 12.0, 9.0], "A cup: white, on a table", 1.0), ([0.0, 0.0, 5.0, 5.0], "Shadow", 0.5)]
+  assert by_id["sa_1000.jpg"] == []  # no masks: no segments
+  masks["0"]["bounds"] = {"topLeft": {"x": 30, "y": 3}, "bottomRight": {"x": 50, "y": 9}}  # the image is 20 px wide
+  write(str(ann), json.dumps({"image": "sa_1001.jpg", "extra_caption": "Dense caption number 1.", "mask_data": masks}))
+  with pytest.raises(ValueError, match=r"sa_1001.json segment 0 \(image .*sa_1001.jpg\): box .* lies outside"):
+    builders.data_source(cfg("dci", m, tmp_path / "d2"), "train")
+  masks["0"]["bounds"] = {"topLeft": {"x": 2}}
+  write(str(ann), json.dumps({"image": "sa_1001.jpg", "extra_caption": "Dense caption number 1.", "mask_data": masks}))
+  assert len(builders.data_source(cfg("dci", m, tmp_path / "d3", skip=True), "train")) == 3
+
+
 def test_dci_split_list_naming_an_unknown_image(tmp_path):
   m = tmp_path / "m"
   dci_fixture(m)

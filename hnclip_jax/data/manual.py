@@ -260,8 +260,53 @@ def _load_split_list(path: str, builder) -> list:
   return rows
 
 
+def dci_segments(mask_data, where: str) -> list:
+  """DCI's masks as segments: each mask's bounds (original pixels) with the text DCI itself gives it — "label:
+  caption" for a fine mask (mask_quality 0, score 1.0), the label alone for a low-quality one (1, score 0.5);
+  unusable masks (2) are left out. BadExample naming the mask when its bounds are malformed."""
+  if not isinstance(mask_data, dict):
+    raise BadExample(f"{where}: 'mask_data' must be an object of masks")
+  segments = []
+  for key, m in mask_data.items():
+    w = f"{where} mask_data[{key!r}]"
+    try:
+      quality, label = int(m.get("mask_quality", 0)), str(m.get("label", "")).strip()
+      tl, br = m["bounds"]["topLeft"], m["bounds"]["bottomRight"]
+      box = [tl["x"], tl["y"], br["x"], br["y"]]
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+      raise BadExample(f"{w}: needs bounds {{topLeft: {{x, y}}, bottomRight: {{x, y}}}} ({e!r})") from None
+    if quality == 2 or not label:
+      continue
+    caption = str(m.get("caption", "")).strip()
+    sentence = f"{label}: {caption}" if quality == 0 and caption else label
+    check_box(box, math.inf, math.inf, w)
+    segments.append({"box": [float(v) for v in box], "sentence": sentence, "score": 1.0 if quality == 0 else 0.5})
+  return segments
+
+
 class HnclipDci(_ManualPairs):
-  """DCI: Densely Captioned Images (Meta, 2024); the caption of each image is its `extra_caption`."""
+  """DCI: Densely Captioned Images (Meta, 2024); the caption of each image is its `extra_caption`. Its masks are the
+  segments (`dci_segments`: each mask's bounds and its own caption) for GOAL and StructXLIP."""
+
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES = {"1.1.0": "segments from DCI's masks (bounds, 'label: caption')"}
+
+  def _info(self):
+    return tfds.core.DatasetInfo(
+        builder=self, description=self.__doc__,
+        features=tfds.features.FeaturesDict({"image": tfds.features.Image(), "caption": tfds.features.Text(),
+                                             "image_id": tfds.features.Text(), "segments": SEGMENTS_FEATURE}))
+
+  def _example(self, p: Pair) -> dict:
+    example = super()._example(p)
+    segments = p.segments or []
+    if segments:
+      with Image.open(io.BytesIO(example["image"])) as im:
+        width, height = im.size
+      for j, seg in enumerate(segments):
+        check_box(seg["box"], width, height, f"{p.where} segment {j} (image {p.image_path})")
+    example["segments"] = segments_feature_value(segments)
+    return example
 
   MANUAL_DOWNLOAD_INSTRUCTIONS = """\
 Download the DCI archive (github.com/facebookresearch/DCI: densely_captioned_images with annotations/ and
@@ -278,10 +323,13 @@ train 5,445 / test 1,999 images)."""
       try:
         with open(path, "rb") as f:
           ann = json.loads(f.read())
-        by_image[ann["image"]] = Pair(ann["image"], os.path.join(root, "photos", ann["image"]),
-                                      ann.get("extra_caption", ""), path)
+        pair = Pair(ann["image"], os.path.join(root, "photos", ann["image"]), ann.get("extra_caption", ""), path)
+        pair.segments = dci_segments(ann.get("mask_data", {}), path)
+        by_image[ann["image"]] = pair
       except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
         self._bad(BadExample(f"{path}: not a DCI annotation with 'image' and 'extra_caption' ({e})"))
+      except BadExample as e:
+        self._bad(e)
     splits = {}
     for split in ("train", "test"):
       path = os.path.join(manual_dir, "splits", f"{split}.json")
