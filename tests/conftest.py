@@ -69,6 +69,29 @@ def run_py(args, *, devices: int = 1, timeout: int = 600, check: bool = True, en
   return proc
 
 
+def metrics_rows(workdir) -> list:
+  """The rows of a train.py workdir's metrics.jsonl."""
+  import json
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def check_resume_is_bit_identical(args, workdir, copy_to, last: int, resume_from: int) -> None:
+  """Copies a finished train.py `workdir` to `copy_to`, deletes its step-`last` checkpoint and reruns `args` there:
+  it must resume from step `resume_from` and end with bit-identical metrics and parameters."""
+  import shutil
+  import jax
+  import numpy as np
+  from hnclip_jax import pretrained
+  shutil.copytree(workdir, copy_to)
+  shutil.rmtree(os.path.join(copy_to, "checkpoints", str(last)))
+  proc = run_py([*args, "--workdir", copy_to])
+  assert f"(step {resume_from})" in proc.stdout
+  assert metrics_rows(copy_to) == metrics_rows(workdir)
+  a, b = pretrained.load(workdir).params, pretrained.load(copy_to).params
+  assert all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
+
+
 def listing(root):
   """Every file under `root` (but a lock file) with its size: 'nothing on disk changed' is this staying equal."""
   return sorted((os.path.relpath(os.path.join(d, f), root), os.path.getsize(os.path.join(d, f)))

@@ -4,7 +4,6 @@ config, and train.py / eval.py end to end."""
 import io
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ import pytest
 from jax.sharding import Mesh
 from PIL import Image, ImageDraw
 
-from conftest import run_py
+from conftest import check_resume_is_bit_identical, metrics_rows as _metrics, run_py
 from hnclip_jax import config as config_lib, sharding
 from hnclip_jax.data import builders, pipeline, synthetic
 from hnclip_jax.data.tokenizer import WordTokenizer
@@ -367,33 +366,20 @@ GOAL_RUN = ["--config.framework=goal", "--config.total_steps=6", "--config.log_e
             "--config.checkpoint_every=3", "--config.eval_every=3"]
 
 
-def _metrics(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
-
-
 def test_goal_trains_resumes_bit_identically_and_evaluates(tmp_path, tfds_dir):
   """train.py with config.framework=goal on the built-in data (exact segments): every term logged and the loss is
   L_HN + 0.5·L_seg + L_patch + L_span; a resume from the step-3 checkpoint gives bit-identical parameters and
   metrics; eval.py evaluates the checkpoint. GOAL on data without segments stops with a named error."""
-  from hnclip_jax import pretrained
   workdir = str(tmp_path / "goal")
   args = ["train.py", "--config", CONFIG, f"--config.data.data_dir={tfds_dir}", *GOAL_RUN]
   proc = run_py([*args, "--workdir", workdir])
-  assert "GOAL segments: 128 of 128 training examples have one" in proc.stdout
+  assert "goal segments: 128 of 128 training examples have one" in proc.stdout
   rows = [r for r in _metrics(workdir) if "loss" in r]
   assert [r["step"] for r in rows] == [2, 4, 6]
   for r in rows:
     assert r["loss/patch"] > 0 and r["loss/span"] > 0 and r["loss/seg"] > 0
     assert r["loss"] == pytest.approx(r["loss/hn"] + 0.5 * r["loss/seg"] + r["loss/patch"] + r["loss/span"], rel=1e-5)
-  resumed = str(tmp_path / "resumed")
-  shutil.copytree(workdir, resumed)
-  shutil.rmtree(os.path.join(resumed, "checkpoints", "6"))
-  proc = run_py([*args, "--workdir", resumed])
-  assert "(step 3)" in proc.stdout
-  assert _metrics(resumed) == _metrics(workdir)
-  a, b = pretrained.load(workdir).params, pretrained.load(resumed).params
-  assert all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
+  check_resume_is_bit_identical(args, workdir, str(tmp_path / "resumed"), last=6, resume_from=3)
   run_py(["eval.py", "--config", CONFIG, "--workdir", workdir, f"--config.data.data_dir={tfds_dir}"])
   with open(os.path.join(workdir, "eval_results.json")) as f:
     res = json.load(f)

@@ -2,7 +2,6 @@
 inputs (edge maps, caption filter, chunks, crops), the config, and train.py / eval.py end to end."""
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from conftest import run_py
+from conftest import check_resume_is_bit_identical, metrics_rows as _metrics, run_py
 from hnclip_jax import config as config_lib, experiment, losses, sharding, train_step
 from hnclip_jax.data import pipeline, structure
 from hnclip_jax.data.tokenizer import WordTokenizer
@@ -313,16 +312,10 @@ SX_RUN = ["--config.framework=structxlip", "--config.total_steps=6", "--config.l
           "--config.structxlip.decay_epochs=3", "--config.structxlip.logit_scale_max=2.6"]
 
 
-def _metrics(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
-
-
 def test_structxlip_trains_resumes_bit_identically_and_evaluates(tmp_path, tfds_dir):
   """train.py with config.framework=structxlip on the built-in data: the three terms logged, the loss is
   L_HN + scheduled weights · terms, the logit scale stays under its clamp; a resume from step 3 is bit-identical;
   eval.py evaluates the checkpoint."""
-  from hnclip_jax import pretrained
   workdir = str(tmp_path / "sx")
   args = ["train.py", "--config", CONFIG, f"--config.data.data_dir={tfds_dir}", *SX_RUN]
   run_py([*args, "--workdir", workdir])
@@ -334,14 +327,7 @@ def test_structxlip_trains_resumes_bit_identically_and_evaluates(tmp_path, tfds_
     assert r["loss"] == pytest.approx(r["loss/hn"] + f[0] * r["loss/struct"] + f[1] * r["loss/consist"]
                                       + f[2] * r["loss/local"], rel=1e-5)
     assert r["logit_scale"] <= np.exp(2.6) * (1 + 1e-6) < 1 / 0.07  # 14.29 at init, clamped to e^2.6 = 13.46
-  resumed = str(tmp_path / "resumed")
-  shutil.copytree(workdir, resumed)
-  shutil.rmtree(os.path.join(resumed, "checkpoints", "6"))
-  proc = run_py([*args, "--workdir", resumed])
-  assert "(step 3)" in proc.stdout
-  assert _metrics(resumed) == _metrics(workdir)
-  a, b = pretrained.load(workdir).params, pretrained.load(resumed).params
-  assert all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
+  check_resume_is_bit_identical(args, workdir, str(tmp_path / "resumed"), last=6, resume_from=3)
   run_py(["eval.py", "--config", CONFIG, "--workdir", workdir, f"--config.data.data_dir={tfds_dir}"])
   with open(os.path.join(workdir, "eval_results.json")) as f:
     res = json.load(f)
