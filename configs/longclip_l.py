@@ -73,32 +73,23 @@ def get_config(variant: str = "synthetic"):
     c.optimizer.warmup_steps = 200
     c.total_steps = 6 * TRAIN_PAIRS[dataset] // c.batch_size
     c.checkpoint_every = c.eval_every = max(1, c.total_steps // 6)
-  if framework == "goal":
-    # GOAL's released recipe (PerceptualAI-Lab/GOAL goal_loss_finetuning.py): batch 16, AdamW lr 5e-6 with cosine
-    # decay to 0 and no warmup, weight decay 0.05, 10 epochs; its segment, patch and text terms (config.goal
-    # defaults) instead of the token term, with L_HN as the global term. Needs segments in the data
-    # (docs/frameworks.md).
+  if framework in ("goal", "structxlip"):
+    # Both released recipes (PerceptualAI-Lab/GOAL goal_loss_finetuning.py; intelligolabs/StructXLIP
+    # scripts/finetune.sh, DOCCI): batch 16, AdamW lr 5e-6 with cosine decay to 0 and no warmup, weight decay 0.05,
+    # 10 epochs; the framework's terms instead of the token term, with L_HN as the global term. Both need segments
+    # in the data (docs/frameworks.md).
     if method != "full":
-      raise ValueError("configs/longclip_l.py: goal fine-tunes the whole model; it has no lora/dora variant")
-    c.framework = "goal"
+      raise ValueError(f"configs/longclip_l.py: {framework} fine-tunes the whole model; it has no lora/dora variant")
+    c.framework = framework
     c.loss.token_weight = 0.0
     c.batch_size, c.grad_accum_steps = 16, 1
     c.optimizer.lr = 5e-6
     c.total_steps = 10 * TRAIN_PAIRS[dataset] // c.batch_size
     c.checkpoint_every = c.eval_every = max(1, c.total_steps // 10)
   if framework == "structxlip":
-    # StructXLIP's released run script (intelligolabs/StructXLIP scripts/finetune.sh, DOCCI): batch 16, AdamW lr
-    # 5e-6 cosine to 0, no warmup, weight decay 0.05, 10 epochs; structure / consistency / local weights 0.25 /
-    # 0.001 / 0.001, the 2 best segments' edge crops, colour words removed; the logit scale clamped at 3.5 (the
-    # config.structxlip defaults are its train.py's argument defaults instead: 0.5 / 0.05 / 0.1, 3 crops).
-    if method != "full":
-      raise ValueError("configs/longclip_l.py: structxlip fine-tunes the whole model; it has no lora/dora variant")
-    c.framework = "structxlip"
-    c.loss.token_weight = 0.0
-    c.batch_size, c.grad_accum_steps = 16, 1
-    c.optimizer.lr = 5e-6
+    # The run script's weights: structure / consistency / local 0.25 / 0.001 / 0.001, the 2 best segments' edge
+    # crops, colour words removed, the logit scale clamped at 3.5 (the config.structxlip defaults are its train.py's
+    # argument defaults instead: 0.5 / 0.05 / 0.1, 3 crops).
     c.structxlip.structure_weight, c.structxlip.consistency_weight, c.structxlip.local_weight = 0.25, 0.001, 0.001
     c.structxlip.top_k = 2
-    c.total_steps = 10 * TRAIN_PAIRS[dataset] // c.batch_size
-    c.checkpoint_every = c.eval_every = max(1, c.total_steps // 10)
   return c
