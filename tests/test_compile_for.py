@@ -133,6 +133,31 @@ def test_tpu_loops_without_a_known_trip_count_use_their_condition_bound():
   assert compile_for.matmul_flops(unknown) == 3 * 2 * 8 * 16 * 4 + 2 * 2 * 3 * 5 * 7
 
 
+# What XLA's rematerialisation pass leaves in a program that did not fit: clones named "<original>.remat" — here a
+# fusion (its own copy of the fused computation) in the 8-iteration loop body and a dot in the entry computation.
+REMAT = HLO.replace(
+    "  ROOT %t = (s32[], f32[8,4]) tuple(%i, %x)\n}\n\n%fused_mm",
+    "  %f.remat = bf16[2,3,5]{2,1,0} fusion(bf16[2,3,7]{2,1,0} %p0, bf16[2,7,5]{2,1,0} %p1), kind=kOutput, "
+    "calls=%fused_mm.clone\n  ROOT %t = (s32[], f32[8,4]) tuple(%i, %x)\n}\n\n"
+    "%fused_mm.clone (a: bf16[2,3,7], b: bf16[2,7,5]) -> bf16[2,3,5] {\n"
+    "  %a.1 = bf16[2,3,7]{2,1,0} parameter(0)\n  %b.1 = bf16[2,7,5]{2,1,0} parameter(1)\n"
+    "  ROOT %d2.1 = bf16[2,3,5]{2,1,0} dot(bf16[2,3,7]{2,1,0} %a.1, bf16[2,7,5]{2,1,0} %b.1), lhs_batch_dims={0}, "
+    "lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}\n}\n\n%fused_mm").replace(
+    "  ROOT %r = f32[16]{0} copy(%ard)",
+    "  %d9.remat2 = f32[8,16]{1,0} dot(f32[8,4]{1,0} %x, f32[4,16]{1,0} %w), lhs_contracting_dims={1}, "
+    "rhs_contracting_dims={0}\n  %c.remat_compressed = f32[8,4]{1,0} copy(%x)\n  ROOT %r = f32[16]{0} copy(%ard)")
+
+
+def test_compiler_rematerialisation_is_counted():
+  """Three clones; the fusion's dot runs 8 times (2 x 30 outputs x 7 each), the entry's dot once (2 x 128 x 4)."""
+  assert REMAT != HLO and "%d2.remat" not in REMAT
+  assert compile_for.compiler_remat(HLO) == {"instructions": 0, "matmul_flops": 0.0}
+  r = compile_for.compiler_remat(REMAT)
+  assert r == {"instructions": 3, "matmul_flops": 8 * 2 * 30 * 7 + 2 * 8 * 16 * 4}, r
+  # matmul_flops counts the recomputed matmuls as part of the step
+  assert compile_for.matmul_flops(REMAT) == compile_for.matmul_flops(HLO) + r["matmul_flops"]
+
+
 def test_collectives_are_counted_per_executed_step():
   """Loop bodies count once per iteration (nested loops multiply); async start/done pairs count once; bytes are
   the collective's outputs (all of a combined collective's; an async all-gather's result minus its input)."""
@@ -226,6 +251,7 @@ def test_tiny_model_compiles_for_v5e_2x2_and_the_report_is_the_compilers():
   a = res["accum"]
   assert 1.1 < a["matmul_flops_per_chip"] / r["matmul_flops_per_chip"] < 1.45, (a["matmul_flops_per_chip"], r)
   assert r["flops_per_chip"] == max(res["flops"], r["matmul_flops_per_chip"])
+  assert r["compiler_remat_instructions"] == 0 and r["compiler_remat_flops_per_chip"] == 0  # it fits with room
   # FSDP over 4 chips gathers the weights: at least the program's static all-gathers, with their bytes.
   assert r["collectives"]["all-gather"]["count"] >= res["static_all_gathers"] > 0
   assert r["collectives"]["all-gather"]["bytes"] > 0 and r["token_weight"] == 1.0

@@ -15,7 +15,9 @@ Per chip it reports: argument / output / temporary bytes from the compiler's mem
 sum fits the chip's HBM (`HBM_GIB`), XLA's FLOPs per step, the collectives of the optimised program (count and
 bytes of all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute, each weighted by the trip counts
 of the loops it sits in, i.e. per executed step), a roofline estimate of the step time (FLOPs at peak plus
-collective bytes at the ICI bandwidth, no overlap) and the compile time.
+collective bytes at the ICI bandwidth, no overlap) and the compile time. When the program does not fit, XLA's own
+rematerialisation pass recomputes values to shrink it; the report counts what it added (`compiler_remat`), since
+those FLOPs are in the step's count.
 
 GPUs (`--topology h100:1x8`, hosts x GPUs per host; h100 and a100): XLA's GPU compiler from JAX's CUDA plugin
 compiles without a GPU given a target config (`gpu_target_config`, from NVIDIA's data sheets): `pip install
@@ -295,13 +297,49 @@ def matmul_flops(hlo: str) -> float:
   element-wise work is left out here (a few percent of a transformer's FLOPs)."""
   runs, every_line = _executed(hlo)
   shapes = {m.group(1): _dims(m.group(2)) for m in map(_DEF.match, every_line) if m}  # name -> first array's dims
-  total = 0.0
-  for line, n in runs:
-    m = _DEF.match(line)
-    k = _contracted_size(line, shapes) if m else None
-    if k:
-      total += n * 2.0 * math.prod(shapes[m.group(1)]) * k
-  return total
+  return sum(n * _line_flops(line, shapes) for line, n in runs)
+
+
+def _line_flops(line: str, shapes: dict) -> float:
+  """2 x output elements x contracted size if `line` is a matmul, else 0."""
+  m = _DEF.match(line)
+  k = _contracted_size(line, shapes) if m else None
+  return 2.0 * math.prod(shapes[m.group(1)]) * k if k else 0.0
+
+
+# XLA's rematerialisation pass (run when a program would not fit the device's memory) recomputes values instead of
+# keeping them; its clones are named after the original with a ".remat" / ".remat_compressed" suffix.
+_REMAT = re.compile(r"\.remat(?:\d+|_compressed)?(?:\.|$)")
+
+
+def compiler_remat(hlo: str) -> dict:
+  """What XLA's own rematerialisation added to optimised HLO text (none when the program fits without it):
+  {"instructions": clones it made, "matmul_flops": the matmuls they recompute per executed step (already in
+  `matmul_flops`), counted through the fusions they call}. Not `config.remat`, which rewrites the program before
+  XLA sees it."""
+  comps, times = _computations(hlo)
+  shapes = {m.group(1): _dims(m.group(2)) for lines in comps.values() for m in map(_DEF.match, lines) if m}
+  memo = {}
+
+  def per_call(name):  # matmul FLOPs of one call of a computation, through the computations it calls
+    if name not in memo:
+      memo[name] = 0.0
+      memo[name] = sum(_line_flops(line, shapes) + sum(per_call(c) for c in _callees(line))
+                       for line in comps.get(name, []))
+    return memo[name]
+
+  count, flops = 0, 0.0
+  for name, lines in comps.items():
+    for line in lines:
+      m = _DEF.match(line)
+      if m and _REMAT.search(m.group(1)):
+        count += 1
+        flops += times(name) * (_line_flops(line, shapes) + sum(per_call(c) for c in _callees(line)))
+  return {"instructions": count, "matmul_flops": flops}
+
+
+def _callees(line: str) -> list:
+  return re.findall(r"\bcalls=%?([\w.\-]+)", line)
 
 
 def collective_stats(hlo: str) -> dict:
@@ -326,7 +364,7 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
   """Compiles train.py's step of `config` for `topology`; returns the per-chip report (see the module doc), and the
   compiled executable too with `return_compiled`."""
   import jax
-  from hnclip_jax import config as config_lib, experiment, sharding, train_step
+  from hnclip_jax import config as config_lib, sharding, train_step
   config = config_lib.validate(config)
   devices = topology_devices(topology) if devices is None else devices
   chip = chip_spec(topology)
@@ -354,6 +392,7 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
   mm_flops = matmul_flops(hlo)
   flops = max(xla_flops, mm_flops) if xla_flops == xla_flops else mm_flops
   coll = collective_stats(hlo)
+  xla_remat = compiler_remat(hlo)
   arg, out, alias, temp = (int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp"))
   chips = chip_count(topology)
   per_chip = len(devices) / chips  # JAX devices per chip
@@ -368,8 +407,10 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
             "token_weight": config.loss.token_weight, "model": dataclasses.asdict(model_cfg),
             "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
             "total_bytes": total, "hbm_bytes": int(hbm), "fits": total <= hbm, "flops_per_chip": flops,
-            "xla_flops_per_chip": xla_flops, "matmul_flops_per_chip": mm_flops, "flops_source": flops_source, "collectives": coll, "collective_bytes": coll_bytes, "est_step_s": est,
-            "compile_s": compile_s,
+            "xla_flops_per_chip": xla_flops, "matmul_flops_per_chip": mm_flops, "flops_source": flops_source,
+            "compiler_remat_instructions": xla_remat["instructions"],
+            "compiler_remat_flops_per_chip": xla_remat["matmul_flops"], "collectives": coll,
+            "collective_bytes": coll_bytes, "est_step_s": est, "compile_s": compile_s,
             "jax": jax.__version__}
   return (report, compiled) if return_compiled else report
 
@@ -408,6 +449,10 @@ def print_report(r: dict) -> None:
         f"{_gb(r['hbm_bytes'])} GB HBM: {'fits' if r['fits'] else 'DOES NOT FIT'}")
   print(f"XLA FLOPs per chip per step: {r['flops_per_chip'] / 1e12:.3f} TFLOP; roofline step estimate "
         f"{r['est_step_s'] * 1e3:.1f} ms")
+  if r["compiler_remat_instructions"]:
+    print(f"XLA rematerialised {r['compiler_remat_instructions']} instructions to reduce memory (recomputing "
+          f"{r['compiler_remat_flops_per_chip'] / 1e12:.3f} TFLOP of matmuls, included above): the program is at "
+          f"or over the chip's memory; config.remat or smaller micro-batches usually cost less")
   used = [f"{k} ×{v['count']} ({_gb(v['bytes'])} GB)" for k, v in r["collectives"].items() if v["count"]]
   print("collectives per step: " + (", ".join(used) or "none"))
 
@@ -452,7 +497,8 @@ def sweep(config, topology: str) -> list:
       r, compiled = compile_report(c, topology, devices, return_compiled=True)
       row = {**label, "fits": r["fits"], "total_GB": r["total_bytes"] / 1e9, "temp_GB": r["temp_bytes"] / 1e9,
              "TFLOP": r["flops_per_chip"] / 1e12, "collective_GB": r["collective_bytes"] / 1e9,
-             "est_step_ms": r["est_step_s"] * 1e3, "compile_s": r["compile_s"]}
+             "est_step_ms": r["est_step_s"] * 1e3, "compile_s": r["compile_s"],
+             "xla_remat_TFLOP": r["compiler_remat_flops_per_chip"] / 1e12}
       if FLAGS.hlo_dir:  # the optimised program, so its FLOPs / collectives can be recounted without recompiling
         os.makedirs(FLAGS.hlo_dir, exist_ok=True)
         name = topology.replace(":", "_") + "_" + "_".join(f"{k}={v}" for k, v in label.items()) + ".hlo.gz"
