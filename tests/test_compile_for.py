@@ -158,6 +158,21 @@ def test_compiler_rematerialisation_is_counted():
   assert compile_for.matmul_flops(REMAT) == compile_for.matmul_flops(HLO) + r["matmul_flops"]
 
 
+def test_the_compilers_refusal_is_read():
+  """The TPU compiler's out-of-memory message (as libtpu 0.0.42.1 words it; its 'G' is GiB: a 17.0e9-byte program
+  was refused as 15.83G, a 16.85e9-byte one compiled) -> the report's verdict; any other error is not a verdict."""
+  msg = ("INTERNAL: something\nRESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+         "temporaries (18.18G) exceeds available HBM (15.75G).\nmore")
+  r = compile_for.out_of_memory(msg)
+  assert r["fits"] is False and r["compiler_refused"].startswith("RESOURCE_EXHAUSTED: Ran out of memory on HBM")
+  assert r["required_bytes"] == 18.18 * 2 ** 30 and r["usable_hbm_bytes"] == 15.75 * 2 ** 30
+  assert compile_for.out_of_memory("RESOURCE_EXHAUSTED: (3.05T) exceeds available HBM (512M)")["required_bytes"] \
+      == 3.05 * 2 ** 40
+  vague = compile_for.out_of_memory("RESOURCE_EXHAUSTED: out of memory")
+  assert vague["fits"] is False and vague["required_bytes"] != vague["required_bytes"]  # NaN: not given
+  assert compile_for.out_of_memory("INVALID_ARGUMENT: bad sharding") is None
+
+
 def test_collectives_are_counted_per_executed_step():
   """Loop bodies count once per iteration (nested loops multiply); async start/done pairs count once; bytes are
   the collective's outputs (all of a combined collective's; an async all-gather's result minus its input)."""
@@ -240,6 +255,8 @@ def test_tiny_model_compiles_for_v5e_2x2_and_the_report_is_the_compilers():
   assert (r["argument_bytes"], r["output_bytes"], r["alias_bytes"], r["temp_bytes"]) == (
       mem["argument"], mem["output"], mem["alias"], mem["temp"])
   assert r["total_bytes"] == mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] > 0
+  # fits: against what libtpu will fill (15.75 GiB, read from its refusal of a 1 TiB program), not the nominal 16 GB
+  assert r["usable_hbm_bytes"] == int(15.75 * 2 ** 30) and compile_for.chip_spec("v5e:2x2")["hbm_bytes"] == 16e9
   assert r["fits"] and r["hbm_bytes"] == 16 * 10 ** 9 and r["xla_flops_per_chip"] == res["flops"] > 0
   # The dots, counted per execution, dominate; XLA's count visits the token term's block loop once, so the dots'
   # count can exceed it. The report takes the larger.
@@ -256,6 +273,23 @@ def test_tiny_model_compiles_for_v5e_2x2_and_the_report_is_the_compilers():
   assert r["collectives"]["all-gather"]["count"] >= res["static_all_gathers"] > 0
   assert r["collectives"]["all-gather"]["bytes"] > 0 and r["token_weight"] == 1.0
   assert "fits" in proc.stdout and "collectives per step" in proc.stdout
+
+
+def test_a_sweep_records_what_the_tpu_compiler_refuses(tmp_path):
+  """A million-example batch needs terabytes per chip: libtpu refuses it at once (seconds); the sweep records each
+  layout as not fitting, with the compiler's numbers, and goes on to the next instead of stopping."""
+  path = libtpu_path()
+  if path is None:
+    pytest.skip(f"{LIBTPU} could not be installed into {LIBTPU_DIR} (pip failed): the TPU compile is not tested")
+  out = tmp_path / "rows.jsonl"
+  proc = run_py(["-m", "hnclip_jax.tools.compile_for", "--config", "configs/demo.py:test", "--topology", "v5e:2x2",
+                 "--sweep", "--layouts", "1x4x1,4x1x1", "--grid", "batch_size=1048576", "--out", str(out)],
+                env_extra={"PYTHONPATH": os.pathsep.join(filter(None, [path, ROOT]))}, timeout=600)
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["layout"] for r in rows] == ["1x4x1", "4x1x1"], rows
+  for r in rows:
+    assert r["fits"] is False and "refused" in r["error"] and r["total_GB"] > 100, r
+    assert "16.911 GB usable" in r["error"], r  # libtpu's 15.75 GiB of a v5e chip
 
 
 GPU_SCRIPT = r"""

@@ -11,13 +11,15 @@ jax[tpu]==0.10.2 pins) and PYTHONPATH=~/.cache/hnclip_jax/libtpu for this comman
 (JAX_PLATFORMS=cpu). The program is exactly the one train.py runs — `train_step.build_program` with the same
 shardings, donation, accumulation and objective — lowered on abstract inputs (nothing is allocated).
 
-Per chip it reports: argument / output / temporary bytes from the compiler's memory analysis and whether their
-sum fits the chip's HBM (`HBM_GIB`), XLA's FLOPs per step, the collectives of the optimised program (count and
-bytes of all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute, each weighted by the trip counts
-of the loops it sits in, i.e. per executed step), a roofline estimate of the step time (FLOPs at peak plus
-collective bytes at the ICI bandwidth, no overlap) and the compile time. When the program does not fit, XLA's own
-rematerialisation pass recomputes values to shrink it; the report counts what it added (`compiler_remat`), since
-those FLOPs are in the step's count.
+Per chip it reports: argument / output / temporary bytes from the compiler's memory analysis and whether their sum
+fits the HBM the TPU compiler will fill (`usable_hbm`; nominal sizes in `CHIPS`), XLA's FLOPs per step, the
+collectives of the optimised program (count and bytes of all-gather, reduce-scatter, all-reduce, all-to-all,
+collective-permute, each weighted by the trip counts of the loops it sits in, i.e. per executed step), a roofline
+estimate of the step time (FLOPs at peak plus collective bytes at the ICI bandwidth, no overlap) and the compile
+time. When the program does not fit, XLA's own rematerialisation pass recomputes values to shrink it; the report
+counts what it added (`compiler_remat`), since those FLOPs are in the step's count. A program that cannot fit even
+then is refused by the TPU compiler (RESOURCE_EXHAUSTED); the report says DOES NOT FIT with the compiler's numbers
+(`out_of_memory`), and a sweep records the row and goes on.
 
 GPUs (`--topology h100:1x8`, hosts x GPUs per host; h100 and a100): XLA's GPU compiler from JAX's CUDA plugin
 compiles without a GPU given a target config (`gpu_target_config`, from NVIDIA's data sheets): `pip install
@@ -159,6 +161,23 @@ def topology_devices(topology: str):
     return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
   except Exception as e:  # libtpu's message names what it could not parse
     raise ValueError(f"--topology={topology}: libtpu cannot build this topology ({e}); use e.g. v5e:2x2, v5p:2x2x2")
+
+
+def usable_hbm(device):
+  """The HBM the TPU compiler will fill on one of `device`'s kind (bytes), read from its refusal of a program far
+  too large for any chip (1 TiB; refused at once): libtpu 0.0.42.1 says 15.75 GiB for a v5e chip, 95.74 GiB for
+  v5p, 31.25 GiB for v6e, 15.25 GiB per v4 TensorCore — the nominal size less what the runtime keeps. None if the
+  compiler does not say (GPU compilers check no memory)."""
+  import jax
+  import jax.numpy as jnp
+  big = jax.ShapeDtypeStruct((2 ** 38,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+  try:
+    jax.jit(lambda x: x + 1).lower(big).compile()
+  except jax.errors.JaxRuntimeError as e:
+    refused = out_of_memory(str(e))
+    if refused and refused["usable_hbm_bytes"] == refused["usable_hbm_bytes"]:
+      return refused["usable_hbm_bytes"]
+  return None
 
 
 def global_flops(lowered) -> float:
@@ -377,7 +396,15 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
   program = train_step.build_program(config, model_cfg, mesh, rules)
   t0 = time.perf_counter()
   lowered = program.step.lower(program.target(), train_step.abstract_batch(config, model_cfg, mesh))
-  compiled = lowered.compile(GPU_COMPILER_OPTIONS if chip["platform"] == "cuda" else None)
+  try:
+    compiled = lowered.compile(GPU_COMPILER_OPTIONS if chip["platform"] == "cuda" else None)
+  except jax.errors.JaxRuntimeError as e:
+    refused = out_of_memory(str(e))
+    if refused is None:
+      raise
+    report = {**_describe(config, topology, devices, mesh, model_cfg), **refused,
+              "compile_s": time.perf_counter() - t0, "jax": jax.__version__}
+    return (report, None) if return_compiled else report
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -397,22 +424,44 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
   chips = chip_count(topology)
   per_chip = len(devices) / chips  # JAX devices per chip
   hbm = chip["hbm_bytes"] / per_chip
+  usable = (usable_hbm(devices[0]) if chip["platform"] == "tpu" else None) or hbm
   total = arg + out - alias + temp
   coll_bytes = sum(v["bytes"] for v in coll.values())
   peak = chip["peak_tflops"] * 1e12 / per_chip
   est = flops / peak + (coll_bytes / (chip["ici_gbps"] * 1e9 / 2) if chip["ici_gbps"] else 0.0)
-  report = {"topology": topology, "devices": len(devices), "chips": chips, "device_kind": devices[0].device_kind,
-            "mesh": dict(mesh.shape), "batch_size": config.batch_size, "grad_accum_steps": config.grad_accum_steps,
-            "dtype": config.dtype, "remat": config.remat, "chunk_size": config.loss.chunk_size,
-            "token_weight": config.loss.token_weight, "model": dataclasses.asdict(model_cfg),
-            "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
-            "total_bytes": total, "hbm_bytes": int(hbm), "fits": total <= hbm, "flops_per_chip": flops,
+  report = {**_describe(config, topology, devices, mesh, model_cfg), "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
+            "total_bytes": total, "hbm_bytes": int(hbm), "usable_hbm_bytes": int(usable), "fits": total <= usable, "flops_per_chip": flops,
             "xla_flops_per_chip": xla_flops, "matmul_flops_per_chip": mm_flops, "flops_source": flops_source,
             "compiler_remat_instructions": xla_remat["instructions"],
             "compiler_remat_flops_per_chip": xla_remat["matmul_flops"], "collectives": coll,
             "collective_bytes": coll_bytes, "est_step_s": est, "compile_s": compile_s,
             "jax": jax.__version__}
   return (report, compiled) if return_compiled else report
+
+
+def _describe(config, topology, devices, mesh, model_cfg) -> dict:
+  return {"topology": topology, "devices": len(devices), "chips": chip_count(topology),
+          "device_kind": devices[0].device_kind, "mesh": dict(mesh.shape), "batch_size": config.batch_size,
+          "grad_accum_steps": config.grad_accum_steps, "dtype": config.dtype, "remat": config.remat,
+          "chunk_size": config.loss.chunk_size, "token_weight": config.loss.token_weight,
+          "model": dataclasses.asdict(model_cfg)}
+
+
+_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def out_of_memory(message: str):
+  """The TPU compiler refuses a program that cannot fit a chip even after its own rematerialisation
+  ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (18.18G) exceeds
+  available HBM (15.75G)"; G = GiB, checked against programs of known size). -> the report's verdict, with the two
+  sizes when the message gives them; None for any other error."""
+  if "RESOURCE_EXHAUSTED" not in message:
+    return None
+  m = re.search(r"\(([\d.]+)([KMGT]?)i?B?\) exceeds available HBM \(([\d.]+)([KMGT]?)i?B?\)", message)
+  need, have = ((float(m.group(1)) * _UNITS[m.group(2)], float(m.group(3)) * _UNITS[m.group(4)]) if m
+                else (float("nan"), float("nan")))
+  first = next((line.strip() for line in message.splitlines() if "RESOURCE_EXHAUSTED" in line), message.strip())
+  return {"fits": False, "compiler_refused": first[:300], "required_bytes": need, "usable_hbm_bytes": have}
 
 
 def model_for(config):
@@ -441,12 +490,20 @@ def _gb(x):
 
 def print_report(r: dict) -> None:
   m = r["mesh"]
+  if "compiler_refused" in r:
+    print(f"{r['topology']} ({r['devices']} × {r['device_kind']}), mesh data={m['data']} fsdp={m['fsdp']} "
+          f"tensor={m['tensor']}, global batch {r['batch_size']} ({r['grad_accum_steps']} micro-batches), "
+          f"{r['dtype']}, remat={r['remat']}, token_weight={r['token_weight']}: DOES NOT FIT — the TPU compiler "
+          f"refused it after {r['compile_s']:.1f} s: needs {_gb(r['required_bytes'])} GB per chip, "
+          f"{_gb(r['usable_hbm_bytes'])} GB usable ({r['compiler_refused']})")
+    return
   print(f"{r['topology']} ({r['devices']} × {r['device_kind']}), mesh data={m['data']} fsdp={m['fsdp']} "
         f"tensor={m['tensor']}, global batch {r['batch_size']} ({r['grad_accum_steps']} micro-batches), "
         f"{r['dtype']}, remat={r['remat']}, token_weight={r['token_weight']}; compiled in {r['compile_s']:.1f} s")
   print(f"per chip: arguments {_gb(r['argument_bytes'])} GB, outputs {_gb(r['output_bytes'])} GB (aliased "
         f"{_gb(r['alias_bytes'])} GB), temporaries {_gb(r['temp_bytes'])} GB -> {_gb(r['total_bytes'])} GB of "
-        f"{_gb(r['hbm_bytes'])} GB HBM: {'fits' if r['fits'] else 'DOES NOT FIT'}")
+        f"{_gb(r['usable_hbm_bytes'])} GB usable HBM ({_gb(r['hbm_bytes'])} GB nominal): "
+        f"{'fits' if r['fits'] else 'DOES NOT FIT'}")
   print(f"XLA FLOPs per chip per step: {r['flops_per_chip'] / 1e12:.3f} TFLOP; roofline step estimate "
         f"{r['est_step_s'] * 1e3:.1f} ms")
   if r["compiler_remat_instructions"]:
@@ -495,6 +552,9 @@ def sweep(config, topology: str) -> list:
     label = {"layout": "x".join(map(str, layout)), **{k: v for (k, _), v in zip(grid, combo)}}
     try:
       r, compiled = compile_report(c, topology, devices, return_compiled=True)
+      if compiled is None:  # the compiler refused it: does not fit
+        raise MemoryError(f"the TPU compiler refused it: needs {_gb(r['required_bytes'])} GB per chip, "
+                          f"{_gb(r['usable_hbm_bytes'])} GB usable")
       row = {**label, "fits": r["fits"], "total_GB": r["total_bytes"] / 1e9, "temp_GB": r["temp_bytes"] / 1e9,
              "TFLOP": r["flops_per_chip"] / 1e12, "collective_GB": r["collective_bytes"] / 1e9,
              "est_step_ms": r["est_step_s"] * 1e3, "compile_s": r["compile_s"],
@@ -505,6 +565,9 @@ def sweep(config, topology: str) -> list:
         with gzip.open(os.path.join(FLAGS.hlo_dir, name), "wt") as f:
           f.write(compiled.as_text())
         row["hlo"] = name
+    except MemoryError as e:
+      row = {**label, "fits": False, "total_GB": r["required_bytes"] / 1e9, "compile_s": r["compile_s"],
+             "error": str(e)}
     except (ValueError, FileNotFoundError) as e:  # a layout this model or batch cannot use
       row = {**label, "fits": False, "error": str(e)[:160]}
     rows.append(row)
