@@ -201,17 +201,21 @@ def check_accumulation(config, mesh) -> None:
                      f"{per_device} (batch_size / grad_accum_steps / batch shards)")
 
 
-def make_forward(graphdef, objective: Objective, frozen=None):
+def make_forward(graphdef, objective: Objective, frozen=None, mesh=None):
   """(params, inputs, rng=None) -> the model's outputs dict, with what `objective` needs; inputs: the batch
   entries `objective.input_keys` (image [b,H,W,3], tokens [b,L], GOAL's segment inputs), sharded over the batch;
   rng: the adapters' dropout key (None: no dropout). frozen: path -> bool; those parameters pass through
   stop_gradient inside the function that is differentiated, so JAX emits no weight gradient for them (their
-  gradient is a zero constant) — LoRA's and a frozen tower's compute saving."""
+  gradient is a zero constant) — LoRA's and a frozen tower's compute saving. mesh: traced under it, so the model's
+  activations keep the batch layout (`sharding.constrain_batch`)."""
   def forward(params, inputs, rng=None):
     if frozen is not None:
       params = jax.tree_util.tree_map_with_path(
           lambda p, x: jax.lax.stop_gradient(x) if frozen(param_path(p)) else x, params)
-    return objective.forward(bind(graphdef, params), inputs, rng)
+    if mesh is None:
+      return objective.forward(bind(graphdef, params), inputs, rng)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return objective.forward(bind(graphdef, params), inputs, rng)
 
   return forward
 
@@ -247,7 +251,7 @@ def _micro_batching(mesh, accum_steps: int):
 
 def make_outputs_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, frozen=None):
   """(params, batch) -> outputs of the whole batch, computed a micro-batch at a time (no activations kept)."""
-  forward = make_forward(graphdef, objective, frozen)
+  forward = make_forward(graphdef, objective, frozen, mesh)
   inputs = lambda batch: {k: batch[k] for k in objective.input_keys}  # noqa: E731
   if accum_steps == 1:
     return lambda params, batch, rng=None: forward(params, inputs(batch), _fold(rng, 0))
@@ -293,7 +297,7 @@ def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, neg
     the un-accumulated one; activation memory is one micro-batch.
   frozen: path -> bool: those parameters get a zero gradient and no weight-gradient computation (`make_forward`).
   """
-  forward = make_forward(graphdef, objective, frozen)
+  forward = make_forward(graphdef, objective, frozen, mesh)
   inputs = lambda batch: {k: batch[k] for k in objective.input_keys}  # noqa: E731
 
   def loss_fn(params, mb_inputs, rng=None, step=None):

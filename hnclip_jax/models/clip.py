@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hnclip_jax.sharding import constrain_batch
+
 # GOAL's per-example segment inputs (made by hnclip_jax.data.pipeline.segment_inputs, read by `CLIP.__call__`).
 SEGMENT_KEYS = ("seg_image", "seg_tokens", "seg_patches", "seg_span", "seg_valid")
 # StructXLIP's per-example inputs (hnclip_jax.data.pipeline.structure_inputs).
@@ -314,7 +316,7 @@ class Transformer(nnx.Module):
     kept = None
     keep_index = None if keep is None else keep % len(self.blocks)
     for i, block in enumerate(self.blocks):
-      x = apply(block, x, _key(rng, i))
+      x = apply(block, constrain_batch(x), _key(rng, i))
       if i == keep_index:
         kept = x.reshape(b, l, w)
     x = x.reshape(b, l, w)
