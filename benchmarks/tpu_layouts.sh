@@ -15,14 +15,15 @@ run() {  # TOPOLOGY LAYOUTS GRID... (each GRID is KEY=V1,V2)
   python -m hnclip_jax.tools.compile_for --config configs/longclip_l.py --topology "$topo" --sweep \
     --layouts "$layouts" --config.dtype=bfloat16 "${grid[@]}" --out "$out" --hlo_dir "$hlo" 2>&1 | grep '^{' | sed "s/^/$topo /"
 }
-# The paper's global batch 128 on v5e-16 and v5p-32 chips, with and without the token term.
-run v5e:4x4 16x1x1 batch_size=128 grad_accum_steps=1 loss.token_weight=0,1
-run v5p:2x4x4 32x1x1 batch_size=128 grad_accum_steps=1 loss.token_weight=1
-# Larger global batches: remat, accumulation (64 rows per chip per micro-batch), FSDP.
-run v5e:4x4 16x1x1,4x4x1 batch_size=1024 grad_accum_steps=1 remat=full loss.token_weight=1
-run v5p:2x4x4 32x1x1 batch_size=8192 grad_accum_steps=4 remat=full loss.token_weight=0,1
-run v5e:4x4 16x1x1 batch_size=8192 grad_accum_steps=8 remat=full loss.token_weight=0,1
-run v5p:2x4x4 32x1x1 batch_size=32768 grad_accum_steps=16 remat=full loss.token_weight=0,1
-run v5e:4x4 16x1x1 batch_size=32768 grad_accum_steps=32 remat=full loss.token_weight=0
+# Every row of docs/sharding.md's TPU table: data parallelism over v5e-16 and v5p-32, with and without remat and
+# the token term; accumulation keeps a micro-batch at 64 rows per chip.
+run v5e:4x4 16x1x1 batch_size=128 grad_accum_steps=1 remat=none loss.token_weight=0,1
 run v5p:2x4x4 32x1x1 batch_size=128 grad_accum_steps=1 remat=full,none loss.token_weight=1
 run v5e:4x4 16x1x1 batch_size=1024 grad_accum_steps=1 remat=none,full loss.token_weight=1
+run v5p:2x4x4 32x1x1 batch_size=1024 grad_accum_steps=1 remat=none loss.token_weight=1
+run v5e:4x4 16x1x1 batch_size=8192 grad_accum_steps=8 remat=full loss.token_weight=0,1
+run v5p:2x4x4 32x1x1 batch_size=8192 grad_accum_steps=4 remat=full,none loss.token_weight=0,1
+run v5e:4x4 16x1x1 batch_size=32768 grad_accum_steps=32 remat=full loss.token_weight=0
+run v5p:2x4x4 32x1x1 batch_size=32768 grad_accum_steps=16 remat=full,none loss.token_weight=0,1
+# FSDP instead of remat at 1k on v5e-16 (the parameters and AdamW state sharded over 4 or 16 chips).
+run v5e:4x4 4x4x1,1x16x1 batch_size=1024 grad_accum_steps=1 remat=none loss.token_weight=1
