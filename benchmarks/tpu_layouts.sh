@@ -27,3 +27,4 @@ run v5e:4x4 16x1x1 batch_size=32768 grad_accum_steps=32 remat=full loss.token_we
 run v5p:2x4x4 32x1x1 batch_size=32768 grad_accum_steps=16 remat=full,none loss.token_weight=0,1
 # FSDP instead of remat at 1k on v5e-16 (the parameters and AdamW state sharded over 4 or 16 chips).
 run v5e:4x4 4x4x1,1x16x1 batch_size=1024 grad_accum_steps=1 remat=none loss.token_weight=1
+run v5e:4x4 1x16x1 batch_size=1024 grad_accum_steps=1 remat=full loss.token_weight=1

@@ -173,6 +173,46 @@ def test_the_compilers_refusal_is_read():
   assert compile_for.out_of_memory("INVALID_ARGUMENT: bad sharding") is None
 
 
+# The SPMD partitioner's windowed matmul loops (FSDP weight gathers overlapped with the matmuls) as TPU prints them:
+# an unsigned counter, two matmul steps per iteration (counter += 2), started from a copied constant.
+WINDOWED = """
+%wcond (c: (u32[], f32[8,4])) -> pred[] {
+  %constant.1 = u32[]{:T(128)} constant(8)
+  %c = (u32[], f32[8,4]) parameter(0)
+  %gte = u32[]{:T(128)} get-tuple-element(%c), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%gte, %constant.1), direction=LT
+}
+
+%wbody (p: (u32[], f32[8,4])) -> (u32[], f32[8,4]) {
+  %p = (u32[], f32[8,4]) parameter(0)
+  %i = u32[]{:T(128)} get-tuple-element(%p), index=0
+  %two = u32[]{:T(128)} constant(2)
+  %next = u32[]{:T(128)} add(%i, %two)
+  %x = f32[8,4]{1,0} get-tuple-element(%p), index=1
+  %d = f32[8,16]{1,0} dot(f32[8,4]{1,0} %x, f32[4,16]{1,0} %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (u32[], f32[8,4]) tuple(%next, /*index=1*/%x)
+}
+
+ENTRY %main (a: f32[8,4]) -> f32[8,4] {
+  %zero = u32[]{:T(128)} constant(0)
+  %start = u32[]{:T(128)} copy(%zero)
+  %a = f32[8,4]{1,0} parameter(0)
+  %init = (u32[], f32[8,4]) tuple(%start, %a)
+  %w = (u32[], f32[8,4]) while(%init), condition=%wcond, body=%wbody
+  ROOT %r = f32[8,4]{1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_windowed_matmul_loops_count_their_iterations():
+  """Counter 0, 2, 4, 6 < 8: four iterations of the 8x16x4 dot. Read as `counter < 8` alone it was 8; before the
+  unsigned counter was read at all, 1 (the FSDP program of docs/sharding.md showed 52 of its 74 TFLOP)."""
+  mm = 2 * 8 * 16 * 4
+  assert compile_for.matmul_flops(WINDOWED) == 4 * mm
+  assert compile_for.matmul_flops(WINDOWED.replace("constant(0)", "constant(2)")) == 3 * mm
+  assert compile_for.matmul_flops(WINDOWED.replace("constant(2)\n  %next", "constant(1)\n  %next")) == 8 * mm
+
+
 def test_collectives_are_counted_per_executed_step():
   """Loop bodies count once per iteration (nested loops multiply); async start/done pairs count once; bytes are
   the collective's outputs (all of a combined collective's; an async all-gather's result minus its input)."""

@@ -198,21 +198,51 @@ def _array_bytes(type_str: str) -> int:
              for dt, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", type_str))
 
 
-def _trip_count(while_line: str, comps: dict) -> int:
+_CONST = re.compile(r"\s*%([\w.\-]+)\s*=\s*[su]\d+\[\][^=]*constant\((-?\d+)\)")
+
+
+def _operands(line: str, op: str) -> list:
+  """The operand names of `op(...)` in an instruction line (TPU prints /*index=N*/ comments among them)."""
+  args = re.sub(r"/\*[^*]*\*/", "", line.split(f" {op}(", 1)[1])
+  return re.findall(r"%([\w.\-]+)", args.split(")", 1)[0]) if not args.startswith(")") else []
+
+
+def _trip_count(while_line: str, comps: dict, defs: dict) -> int:
   """Iterations of a while loop: XLA's known_trip_count where the backend prints it (GPU, CPU); otherwise (TPU's
-  optimised HLO drops it) the bound of its condition when that is `counter < constant` (JAX's scan / fori_loop
-  counters start at 0 and step by 1). 1 when neither is found."""
+  optimised HLO drops it) read from the loop: its condition `counter < bound`, the body's `counter + step` and the
+  counter's initial value, constants each (JAX's scan / fori_loop count 0, 1, ...; the partitioner's windowed
+  matmul loops step by 2). 1 when the bound is not found. defs: instruction name -> line, over the module."""
   known = re.search(r'"known_trip_count":\{"n":"(\d+)"', while_line)
   if known:
     return int(known.group(1))
   cond = re.search(r"\bcondition=%?([\w.\-]+)", while_line)
+  body = re.search(r"\bbody=%?([\w.\-]+)", while_line)
   lines = comps.get(cond.group(1), []) if cond else []
-  consts = {m.group(1): int(m.group(2)) for m in (re.match(r"\s*%([\w.\-]+)\s*=\s*s32\[\][^=]*constant\((\d+)\)", x)
-                                                  for x in lines) if m}
+  consts = {m.group(1): int(m.group(2)) for m in map(_CONST.match, lines) if m}
   for line in lines:
-    root = re.search(r"ROOT\s.*compare\(%[\w.\-]+,\s*%([\w.\-]+)\),\s*direction=LT", line)
-    if root and root.group(1) in consts:
-      return consts[root.group(1)]
+    root = re.search(r"ROOT\s.*compare\(%([\w.\-]+),\s*%([\w.\-]+)\),\s*direction=LT", line)
+    if not (root and root.group(2) in consts):
+      continue
+    bound, init, step = consts[root.group(2)], 0, 1
+    index = next((re.search(r"index=(\d+)", x) for x in lines
+                  if re.match(rf"\s*%{re.escape(root.group(1))}\s*=.*get-tuple-element\(", x)), None)
+    if index is not None:
+      k = int(index.group(1))
+      result = next((x for x in comps.get(body.group(1), []) if x.lstrip().startswith("ROOT")), "") if body else ""
+      ops = _operands(result, "tuple") if " tuple(" in result else []
+      update = defs.get(ops[k], "") if k < len(ops) else ""
+      if " add(" in update:
+        steps = [int(m.group(2)) for m in (_CONST.match(defs.get(o, "")) for o in _operands(update, "add")) if m]
+        step = steps[0] if steps and steps[0] > 0 else 1
+      start = _operands(while_line, "while")
+      start = defs.get(start[0], "") if start else ""
+      start = _operands(start, "tuple") if " tuple(" in start else []
+      value = defs.get(start[k], "") if k < len(start) else ""
+      while " copy(" in value:  # the initial counter, copied into place
+        value = defs.get((_operands(value, "copy") or [""])[0], "")
+      m = _CONST.match(value)
+      init = int(m.group(2)) if m else 0
+    return max(0, -(-(bound - init) // step))
   return 1
 
 
@@ -230,11 +260,13 @@ def _computations(hlo: str):
         entry = current
     elif current is not None and line.strip() and line.strip() != "}":
       comps[current].append(line)
+  defs = {m.group(1): line for lines in comps.values() for line in lines
+          for m in [re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=", line)] if m}
   calls = {name: [] for name in comps}  # callee -> [(caller, factor)]
   for name, lines in comps.items():
     for line in lines:
       body = re.search(r"\bbody=%?([\w.\-]+)", line)
-      trip = _trip_count(line, comps) if body else 1
+      trip = _trip_count(line, comps, defs) if body else 1
       for callee in re.findall(r"(?:calls|to_apply|condition|body|branch_computations)=\{?%?([\w.\-]+)", line):
         if callee in calls:
           calls[callee].append((name, trip if body and callee == body.group(1) else 1))
