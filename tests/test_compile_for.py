@@ -282,13 +282,18 @@ print("RESULT " + json.dumps({"report": r, "memory": {k: getattr(m, k + "_size_i
 """
 
 
-def test_tiny_model_compiles_for_v5e_2x2_and_the_report_is_the_compilers():
+def run_tpu_script(script: str):
+  """Runs `python -c script` with libtpu on its path (skipping the test, and saying why, if libtpu cannot be
+  installed); -> (the JSON the script printed after "RESULT ", the process)."""
   path = libtpu_path()
   if path is None:
     pytest.skip(f"{LIBTPU} could not be installed into {LIBTPU_DIR} (pip failed): the TPU compile is not tested")
-  proc = run_py(["-c", SCRIPT], env_extra={"PYTHONPATH": os.pathsep.join(filter(None, [path, ROOT]))},
-                timeout=900)
-  res = json.loads(proc.stdout.split("RESULT ", 1)[1])
+  proc = run_py(["-c", script], env_extra={"PYTHONPATH": os.pathsep.join(filter(None, [path, ROOT]))}, timeout=900)
+  return json.loads(proc.stdout.split("RESULT ", 1)[1]), proc
+
+
+def test_tiny_model_compiles_for_v5e_2x2_and_the_report_is_the_compilers():
+  res, proc = run_tpu_script(SCRIPT)
   r, mem = res["report"], res["memory"]
   assert r["device_kind"].startswith("TPU v5") and r["devices"] == 4 and r["mesh"] == {"data": 1, "fsdp": 4,
                                                                                        "tensor": 1}
@@ -339,12 +344,7 @@ def test_fsdp_gathers_weights_not_activations():
   stream (sharding.constrain_batch) XLA's partitioner all-gathered activations for the weight gradients: 1,087 MB
   of all-gathers, 38 MB of all-to-all and 73 MB of all-reduce per step here (31 / 0 / 0.4 MB with it); at ViT-B/16
   batch 256, 54 GB of collectives per step."""
-  path = libtpu_path()
-  if path is None:
-    pytest.skip(f"{LIBTPU} could not be installed into {LIBTPU_DIR} (pip failed): the TPU compile is not tested")
-  proc = run_py(["-c", FSDP_SCRIPT], env_extra={"PYTHONPATH": os.pathsep.join(filter(None, [path, ROOT]))},
-                timeout=900)
-  res = json.loads(proc.stdout.split("RESULT ", 1)[1])
+  res, _ = run_tpu_script(FSDP_SCRIPT)
   coll, param_bytes = res["collectives"], 4 * res["n_params"]
   assert 0 < coll["all-gather"]["bytes"] < 8 * param_bytes, (coll, param_bytes)
   assert coll["all-to-all"]["bytes"] == 0 and coll["all-reduce"]["bytes"] < 0.1 * param_bytes, (coll, param_bytes)
