@@ -20,7 +20,8 @@ run() {  # TOPOLOGY LAYOUTS GRID... (each GRID is KEY=V1,V2)
 run v5e:4x4 16x1x1 batch_size=128 grad_accum_steps=1 remat=none loss.token_weight=0,1
 run v5p:2x4x4 32x1x1 batch_size=128 grad_accum_steps=1 remat=full,none loss.token_weight=1
 run v5e:4x4 16x1x1 batch_size=1024 grad_accum_steps=1 remat=none,full loss.token_weight=1
-run v5p:2x4x4 32x1x1 batch_size=1024 grad_accum_steps=1 remat=none loss.token_weight=1
+run v5p:2x4x4 32x1x1 batch_size=1024 grad_accum_steps=1 remat=none loss.token_weight=0,1
+run v5e:4x4 16x1x1 batch_size=1024 grad_accum_steps=1 remat=none loss.token_weight=0
 run v5e:4x4 16x1x1 batch_size=8192 grad_accum_steps=8 remat=full loss.token_weight=0,1
 run v5p:2x4x4 32x1x1 batch_size=8192 grad_accum_steps=4 remat=full,none loss.token_weight=0,1
 run v5e:4x4 16x1x1 batch_size=32768 grad_accum_steps=32 remat=full loss.token_weight=0
