@@ -39,6 +39,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import gzip  # noqa: E402
 import importlib.util  # noqa: E402
 import itertools  # noqa: E402
@@ -163,6 +164,7 @@ def topology_devices(topology: str):
     raise ValueError(f"--topology={topology}: libtpu cannot build this topology ({e}); use e.g. v5e:2x2, v5p:2x2x2")
 
 
+@functools.lru_cache(maxsize=None)
 def usable_hbm(device):
   """The HBM the TPU compiler will fill on one of `device`'s kind (bytes), read from its refusal of a program far
   too large for any chip (1 TiB; refused at once): libtpu 0.0.42.1 says 15.75 GiB for a v5e chip, 95.74 GiB for
@@ -246,6 +248,7 @@ def _trip_count(while_line: str, comps: dict, defs: dict) -> int:
   return 1
 
 
+@functools.lru_cache(maxsize=2)  # matmul_flops, collective_stats and compiler_remat read the same program
 def _computations(hlo: str):
   """Optimised HLO text -> ({computation: [instruction lines]}, times(computation) -> executions per step): an
   instruction inside a loop body runs once per iteration (XLA's known_trip_count), nested loops multiply, fused and
@@ -584,9 +587,14 @@ def sweep(config, topology: str) -> list:
     label = {"layout": "x".join(map(str, layout)), **{k: v for (k, _), v in zip(grid, combo)}}
     try:
       r, compiled = compile_report(c, topology, devices, return_compiled=True)
-      if compiled is None:  # the compiler refused it: does not fit
-        raise MemoryError(f"the TPU compiler refused it: needs {_gb(r['required_bytes'])} GB per chip, "
-                          f"{_gb(r['usable_hbm_bytes'])} GB usable")
+    except (ValueError, FileNotFoundError) as e:  # a layout this model or batch cannot use
+      r, compiled = None, None
+      row = {**label, "fits": False, "error": str(e)[:160]}
+    if r is not None and compiled is None:  # the compiler refused it: does not fit
+      row = {**label, "fits": False, "total_GB": r["required_bytes"] / 1e9, "compile_s": r["compile_s"],
+             "error": f"the TPU compiler refused it: needs {_gb(r['required_bytes'])} GB per chip, "
+                      f"{_gb(r['usable_hbm_bytes'])} GB usable"}
+    elif r is not None:
       row = {**label, "fits": r["fits"], "total_GB": r["total_bytes"] / 1e9, "temp_GB": r["temp_bytes"] / 1e9,
              "TFLOP": r["flops_per_chip"] / 1e12, "collective_GB": r["collective_bytes"] / 1e9,
              "est_step_ms": r["est_step_s"] * 1e3, "compile_s": r["compile_s"],
@@ -597,11 +605,6 @@ def sweep(config, topology: str) -> list:
         with gzip.open(os.path.join(FLAGS.hlo_dir, name), "wt") as f:
           f.write(compiled.as_text())
         row["hlo"] = name
-    except MemoryError as e:
-      row = {**label, "fits": False, "total_GB": r["required_bytes"] / 1e9, "compile_s": r["compile_s"],
-             "error": str(e)}
-    except (ValueError, FileNotFoundError) as e:  # a layout this model or batch cannot use
-      row = {**label, "fits": False, "error": str(e)[:160]}
     rows.append(row)
     print(json.dumps(row), flush=True)
     if FLAGS.out:
