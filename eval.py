@@ -40,7 +40,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   import jax
-  from hnclip_jax import config as config_lib, experiment, sharding, train_step
+  from hnclip_jax import checkpoint, config as config_lib, experiment, sharding, storage, train_step
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.metrics import log, quiet_libraries
   from hnclip_jax.models import abstract_model
@@ -49,8 +49,13 @@ def main(argv):
   quiet_libraries()
   config = config_lib.validate(FLAGS.config)
   workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"--workdir={workdir} is a file; pass the directory train.py wrote to")
   if not os.path.isdir(workdir):
     raise FileNotFoundError(f"--workdir={workdir} does not exist; pass the directory train.py wrote to")
+  # eval.py records its result in the workdir: find out now, not after the embedding pass
+  storage.check_writable(workdir, "the workdir, where eval.py records its result (eval_results.json),")
+  storage.start_debug_log(workdir)
   wd = Workdir(workdir)
   steps = wd.checkpoint_steps()
   if not steps:
@@ -69,14 +74,15 @@ def main(argv):
 
   ckpt = wd.checkpointer(read_only=True)
   model_cfg, tokenizer, _ = experiment.resolve_model(config, wd, training=False)
-  check_model_compatible(ckpt.read_meta(step).get("model"), model_cfg, f"{ckpt.directory}/{step}")
+  check_model_compatible(ckpt.read_for_eval(step, ckpt.read_meta).get("model"), model_cfg,
+                         f"{ckpt.directory}/{step}")
   sharding.check_model_fits(model_cfg, mesh, rules)
   log(f"{data_note}; split '{split}'")
   source = builders.data_source(config.data, split)
   graphdef, abstract_params = abstract_model(model_cfg)
   param_sh = sharding.state_shardings({"params": abstract_params}, "params", mesh, rules)["params"]
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, param_sh)
-  params = ckpt.restore_params(step, target)
+  params = ckpt.read_for_eval(step, lambda s: ckpt.restore_params(s, target))
   encoded = builders.data_source(config.data, split, decode_images=False)  # every process (it may sync hosts)
   captions = pipeline.caption_lists(encoded)
   img, txt, caption_image = experiment.embed_split(params, train_step.make_embed_fn(graphdef, mesh, param_sh), source,

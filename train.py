@@ -29,8 +29,9 @@ def main(argv):
 
   import hnclip_jax
   from hnclip_jax import (checkpoint, config as config_lib, diagnostics, experiment, faults, hostmem, preemption,
-                          sharding, train_step)
+                          sharding, storage, train_step)
   from hnclip_jax.data import builders, pipeline
+  from hnclip_jax.evaluation.retrieval import NonFiniteEmbeddings
   from hnclip_jax.metrics import MetricsWriter, Progress, log, quiet_libraries
   from hnclip_jax.models import init_params
   from hnclip_jax.workdir import Workdir, check_model_compatible, config_changes
@@ -40,10 +41,12 @@ def main(argv):
   config = config_lib.validate(FLAGS.config)
   workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
   preemption.check_workdir(workdir)
+  storage.start_debug_log(workdir)  # library tracebacks go there; the console keeps one line per problem
   wd = Workdir(workdir)
   config, data_note = experiment.resolve_data(config, wd, config_flags.get_override_values(FLAGS["config"]),
                                               training=True)
   experiment.preflight(config)
+  storage.check_writable(wd.checkpoints, "the checkpoint directory")  # fail now, not at the first save
   experiment.enable_compilation_cache(config.compilation_cache_dir)
   experiment.maybe_initialize_distributed()
   lock = preemption.WorkdirLock(workdir)
@@ -129,17 +132,23 @@ def main(argv):
     if eval_captions is None:
       eval_captions = pipeline.caption_lists(
           builders.data_source(config.data, config.data.eval_split, decode_images=False))
-    res = experiment.evaluate(state["params"], embed_fn, eval_source, tokenizer, model_cfg, mesh,
-                              config.eval_batch_size, eval_captions)
+    try:
+      res = experiment.evaluate(state["params"], embed_fn, eval_source, tokenizer, model_cfg, mesh,
+                                config.eval_batch_size, eval_captions)
+    except NonFiniteEmbeddings as e:
+      raise ValueError(f"eval at step {step}: {e}") from None
     scalars = {f"eval/{d}/{k}": v for d in ("t2i", "i2t") for k, v in res[d].items()}
     writer.write(step, scalars)
     log(f"eval @ {step} on {config.data.name}/{config.data.eval_split} ({experiment.describe_counts(res)}): " +
         " ".join(f"{k}={v:.2f}" for k, v in scalars.items()))
 
-  def check_finite():
+  def check_finite(nonfinite_steps=None):
     """With on_nonfinite="error": stop (before any checkpoint could hold a later step) naming the bad step."""
-    if config.on_nonfinite == "error" and int(state["nonfinite_steps"]) > 0:
-      good = ckpt.all_steps()
+    if nonfinite_steps is None:
+      nonfinite_steps = int(state["nonfinite_steps"])
+    if config.on_nonfinite == "error" and nonfinite_steps > 0:
+      ckpt.wait()  # a save still in flight is the last good one once it is complete
+      good = ckpt.finished_steps()
       raise ValueError(f"non-finite loss or gradient at step {int(state['first_nonfinite_step'])} (the update was "
                        f"not applied). Last good checkpoint: "
                        f"{f'{ckpt.directory}/{good[-1]}' if good else 'none yet'}. Lower optimizer.lr, check the "
@@ -153,42 +162,58 @@ def main(argv):
       f"gamma={config.loss.gamma}" + (f", token term weight {config.loss.token_weight}"
                                        if objective.needs_tokens else ""))
   step = start
+  stopped = False
   try:
-    for step in range(start + 1, config.total_steps + 1):
-      batch = next(batches)
-      if faults.poisoned(step):
-        batch = dict(batch, image=batch["image"] * np.nan)
-      batch = sharding.to_global(batch, mesh)
-      logging_step = step % config.log_every == 0 or step == config.total_steps
-      extra = {}  # telemetry on the parameters this step starts from, only on the steps that log it
-      if diag_fn is not None and logging_step:
-        extra.update(diag_fn(state["params"], batch))
-      if compare_fn is not None and step % config.diagnostics.every == 0:
-        extra.update(compare_fn(state["params"], batch))
-      state, metrics = step_fn(state, batch)
-      faults.maybe_kill("kill", step)
-      stopping = stop.requested(step)
-      if logging_step or stopping or extra:
-        scalars = {k: float(v) for k, v in jax.device_get({**metrics, **extra}).items()}
-        writer.write(step, scalars)
-        log(progress.line(step, {k.removeprefix("diag/"): v for k, v in scalars.items()
-                                 if not k.startswith("diag/") or k.endswith("saturated_frac")}))
-      if step % config.checkpoint_every == 0 or step == config.total_steps or stopping:
-        check_finite()
-        ckpt.save(step, state, meta, force=True)
-      if stopping:
-        ckpt.wait()
-        log(f"{stop.signal_name}: stopped after step {step}; checkpoint {ckpt.directory}/{step} written. "
-            "Rerun the same command to resume.")
-        return
-      if step % config.eval_every == 0 or step == config.total_steps:
-        run_eval(step)
-    check_finite()
-    ckpt.wait()
+    try:
+      for step in range(start + 1, config.total_steps + 1):
+        batch = next(batches)
+        if faults.poisoned(step):
+          batch = dict(batch, image=batch["image"] * np.nan)
+        batch = sharding.to_global(batch, mesh)
+        logging_step = step % config.log_every == 0 or step == config.total_steps
+        extra = {}  # telemetry on the parameters this step starts from, only on the steps that log it
+        if diag_fn is not None and logging_step:
+          extra.update(diag_fn(state["params"], batch))
+        if compare_fn is not None and step % config.diagnostics.every == 0:
+          extra.update(compare_fn(state["params"], batch))
+        state, metrics = step_fn(state, batch)
+        faults.maybe_kill("kill", step)
+        stopping = stop.requested(step)
+        ckpt.check()  # a background save that failed stops the run now, naming its step
+        if logging_step or stopping or extra:
+          scalars = {k: float(v) for k, v in jax.device_get({**metrics, **extra}).items()}
+          writer.write(step, scalars)
+          log(progress.line(step, {k.removeprefix("diag/"): v for k, v in scalars.items()
+                                   if not k.startswith("diag/") or k.endswith("saturated_frac")}))
+          check_finite(int(scalars["nonfinite_steps"]))  # on the host already: stop at once, not at the save
+        if step % config.checkpoint_every == 0 or step == config.total_steps or stopping:
+          check_finite()
+          ckpt.save(step, state, meta, force=True)
+        if stopping:
+          ckpt.wait()
+          log(f"{stop.signal_name}: stopped after step {step}; checkpoint {ckpt.directory}/{step} written. "
+              "Rerun the same command to resume.")
+          stopped = True
+          break
+        if step % config.eval_every == 0 or step == config.total_steps:
+          run_eval(step)
+      check_finite()
+      ckpt.wait()
+    except storage.StorageError as e:  # a log or event file: say what survived and what to do
+      if isinstance(e, checkpoint.CheckpointError):
+        raise
+      raise storage.StorageError(f"{e}; {ckpt.intact_note()}. Free space or fix the directory, then rerun the "
+                                 "same command to resume") from e
+  except BaseException:
+    ckpt.close(quiet=True)  # never let a library error while closing hide the one that ended the run
+    writer.close(quiet=True)
+    raise
   finally:
-    ckpt.close()
-    writer.close()
     lock.release()
+  ckpt.close()
+  writer.close()
+  if stopped:
+    return
   log(f"done: {config.total_steps} steps; checkpoints in {ckpt.directory}")
 
 

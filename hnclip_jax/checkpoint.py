@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import time
 
 import jax
@@ -28,11 +29,15 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
-from hnclip_jax import faults
+from hnclip_jax import faults, storage
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(storage.StorageError):
   """A checkpoint could not be written or read; checkpoints on disk are untouched."""
+
+
+class NonFiniteState(CheckpointError):
+  """The state to be saved holds NaN or Inf; it was not written."""
 
 
 class IncompatibleCheckpoint(ValueError):
@@ -101,13 +106,42 @@ def structure_differences(saved, target) -> list[str]:
 
 @jax.jit
 def _leaf_stats(leaves):
-  return [jnp.stack([jnp.sum(jnp.abs(x.astype(jnp.float32))), jnp.sum(jnp.square(x.astype(jnp.float32)))])
-          for x in leaves]
+  """Per leaf [max|x|, sum|x|/max, sum (x/max)²] in fp32: scaled so that no finite array can overflow them."""
+  out = []
+  for x in leaves:
+    a = jnp.abs(x.astype(jnp.float32))
+    m = jnp.max(a) if a.size else jnp.zeros((), jnp.float32)
+    y = a / jnp.where(m > 0, m, 1.0)
+    out.append(jnp.stack([m, jnp.sum(y), jnp.sum(jnp.square(y))]))
+  return out
+
+
+def _leaf_fingerprints(tree) -> tuple[list[str], np.ndarray]:
+  """-> (leaf paths, [n, 3] float64 stats of `_leaf_stats`)."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  stats = np.asarray(jax.device_get(_leaf_stats([x for _, x in flat])), np.float64).reshape(len(flat), 3)
+  return [_path(p) for p, _ in flat], stats
+
+
+def _fingerprint_of(stats: dict) -> dict:
+  return {k: (np.stack([st[:, 0] * st[:, 1], st[:, 0] ** 2 * st[:, 2]], axis=1).tolist() if len(st) else [])
+          for k, (_, st) in stats.items()}
 
 
 def fingerprint(tree) -> dict:
-  """{top-level key: [[sum|x|, sum x²] per leaf]} — cheap, computed where the arrays live."""
-  return {k: np.asarray(jax.device_get(_leaf_stats(jax.tree.leaves(v)))).tolist() for k, v in tree.items()}
+  """{top-level key: [[sum|x|, sum x²] per leaf]} — cheap, computed where the arrays live, in float64 from scaled
+  fp32 sums, so that any finite value (even 1e30) has a finite fingerprint."""
+  return _fingerprint_of({k: _leaf_fingerprints(v) for k, v in tree.items()})
+
+
+def _nonfinite_of(stats: dict) -> tuple[list[str], int]:
+  bad = [f"{k}/{p}" for k, (paths, st) in stats.items() for p, row in zip(paths, st) if not np.all(np.isfinite(row))]
+  return bad, sum(len(paths) for paths, _ in stats.values())
+
+
+def nonfinite_arrays(tree) -> tuple[list[str], int]:
+  """-> (paths of the leaves of the dict `tree` holding a NaN or Inf, number of leaves)."""
+  return _nonfinite_of({k: _leaf_fingerprints(v) for k, v in tree.items()})
 
 
 def _same(saved, got, rtol=1e-4) -> bool:
@@ -153,6 +187,7 @@ class Checkpointer:
     self.frozen_dir = self.directory.rstrip("/") + "_" + FROZEN_DIR
     self.frozen = frozen
     self._frozen_fingerprint = None
+    self._pending = None  # the step of the latest save started (async), until it is known to have failed
     self.retries, self.retry_wait_s = retries, retry_wait_s
     self._mgr = ocp.CheckpointManager(
         self.directory,
@@ -204,25 +239,92 @@ class Checkpointer:
     self._frozen_fingerprint = ref["fingerprint"]
     return frozen
 
+  def finished_steps(self) -> list[int]:
+    """Steps whose checkpoint directory is complete on disk (Orbax renames a step's directory when it is done)."""
+    try:
+      return sorted(int(d) for d in os.listdir(self.directory)
+                    if d.isdigit() and os.path.isdir(os.path.join(self.directory, d)))
+    except OSError:
+      return []
+
+  def intact_note(self) -> str:
+    done = self.finished_steps()
+    return (f"the complete checkpoints ({', '.join(f'{self.directory}/{s}' for s in done)}) are kept" if done
+            else "no checkpoint is complete yet")
+
   def save(self, step: int, state, meta: dict, force: bool = False) -> bool:
-    """Starts an (async) save of `state`; raises CheckpointError naming the step if writing fails."""
+    """Starts an (async) save of `state`. Raises before writing anything: CheckpointError when an earlier
+    background save failed or the disk lacks the space, NonFiniteState when `state` holds NaN or Inf."""
+    self.check(sync=True)
     state, frozen = self._split(state)
     if frozen is not None:
       if self._frozen_fingerprint is None:
         raise CheckpointError(f"{self.directory}: the frozen parameters were neither written (save_frozen) nor "
                               "restored before the first save")
       meta = {**meta, "frozen_params": {"path": self.frozen_dir, "fingerprint": self._frozen_fingerprint}}
-    meta = {**meta, "fingerprint": fingerprint(state)}
+    stats = {k: _leaf_fingerprints(v) for k, v in state.items()}
+    bad, total = _nonfinite_of(stats)
+    if bad:
+      raise NonFiniteState(f"the state after step {step} holds NaN or Inf in {len(bad)} of {total} arrays (first: "
+                           f"{bad[0]}); checkpoint {step} was not written and {self.intact_note()}. The updates "
+                           "overflowed or the data is bad: lower optimizer.lr (or raise warmup), check the data, "
+                           "then rerun from the last checkpoint")
+    meta = {**meta, "fingerprint": _fingerprint_of(stats)}
+    try:  # a directory that became read-only would make Orbax's writer threads wait minutes for each other
+      storage.check_writable(self.directory, "the checkpoint directory")
+    except storage.StorageError as e:
+      raise CheckpointError(f"checkpoint {self.directory}/{step} was not written: {e}; "
+                            f"{self.intact_note()}") from e
+    need = sum(int(x.nbytes) for x in jax.tree.leaves(state))
+    free = storage.free_bytes(self.directory)
+    if free is not None and free < need:
+      raise CheckpointError(f"checkpoint {self.directory}/{step} needs about {need / 2**20:.1f} MiB, but only "
+                            f"{free / 2**20:.1f} MiB are free there; nothing was written and "
+                            f"{self.intact_note()}. Free space (or lower config.max_to_keep), then rerun the same "
+                            "command to resume")
     try:
       faults.maybe_fail("save_fails", step)
       saved = self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                            meta=ocp.args.JsonSave(meta)), force=force)
     except Exception as e:  # noqa: BLE001 — any write failure (disk full, permissions, I/O) ends up here
-      raise CheckpointError(f"writing checkpoint {self.directory}/{step} failed: {e}. Earlier checkpoints "
-                            f"{self.all_steps()} are intact; free space or fix the directory and rerun to resume"
-                            ) from e
+      self._pending = None
+      raise CheckpointError(f"writing checkpoint {self.directory}/{step} failed ({storage.describe(e)}); "
+                            f"{self.intact_note()}. Free space or fix the directory, then rerun the same command "
+                            "to resume") from e
+    self._pending = step
     faults.maybe_kill("kill_during_save", step)
     return saved
+
+  def _remove_partial(self, step) -> None:
+    """Deletes what a failed save of `step` left (only takes space; nothing in it is usable)."""
+    if step is None or jax.process_index() != 0:
+      return
+    try:
+      for d in os.listdir(self.directory):
+        if d.startswith(f"{step}.orbax-checkpoint-tmp"):
+          shutil.rmtree(os.path.join(self.directory, d), ignore_errors=True)
+    except OSError:
+      pass
+
+  def check(self, sync: bool = False) -> None:
+    """Raises CheckpointError naming the step if the latest background save failed. Cheap (call it every step): on
+    one process it looks only once that save is over; on several, only with sync=True (every process calls it at
+    the same step: `save` does), since they must agree to stop."""
+    if self._pending is None or (not sync and (jax.process_count() > 1 or self._mgr.is_saving_in_progress())):
+      return
+    step = self._pending
+    self.wait()  # returns at once when the save is over; raises what Orbax reports
+    # Orbax may only log a failed background write: a step that is not on disk once its save is over failed.
+    failed = jax.process_index() == 0 and step not in self.finished_steps()
+    if jax.process_count() > 1:
+      failed = bool(np.max(multihost_utils.process_allgather(np.int32(failed))))
+    if failed:
+      self._remove_partial(step)
+      log = storage.active_debug_log()
+      cause = log.last_error if log is not None and log.last_error else "Orbax logged the cause"
+      raise CheckpointError(f"writing checkpoint {self.directory}/{step} failed in the background ({cause}); "
+                            f"{self.intact_note()}. Free space or fix the directory, then rerun the same command "
+                            "to resume")
 
   def read_meta(self, step: int) -> dict:
     return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -337,6 +439,20 @@ class Checkpointer:
       params = graft(params, self._restore_frozen(frozen, meta, f"{self.directory}/{step}"))
     return params
 
+  def read_for_eval(self, step: int, read):
+    """read(step) with a storage error retried and damage reported as CheckpointError naming the step, what is
+    wrong and the other complete steps to evaluate instead (eval.py --step)."""
+    where = f"{self.directory}/{step}"
+    try:
+      return self._retrying(lambda: read(step), where)
+    except CheckpointError:
+      raise
+    except Exception as e:  # noqa: BLE001 — truncated files, unreadable metadata, fingerprint mismatch
+      others = [s for s in self.finished_steps() if s != step]
+      raise CheckpointError(f"checkpoint {where} cannot be read: it is damaged ({storage.describe(e)}). Nothing "
+                            "was changed; evaluate another step with --step=N" +
+                            (f" (complete: {others})" if others else "")) from e
+
   def _verify(self, step, meta, state, keys=None):
     saved = meta.get("fingerprint")
     if saved is None:
@@ -355,11 +471,27 @@ class Checkpointer:
       print(msg[:600], flush=True)
 
   def wait(self):
+    """Waits for the background save; CheckpointError naming its step if it failed."""
     try:
       self._mgr.wait_until_finished()
+      self._mgr.check_for_errors()
     except Exception as e:  # noqa: BLE001
-      raise CheckpointError(f"finishing an asynchronous checkpoint in {self.directory} failed: {e}. Earlier "
-                            "checkpoints are intact; rerun to resume") from e
+      step, self._pending = self._pending, None
+      self._remove_partial(step)
+      raise CheckpointError(f"writing checkpoint {self.directory}/{step} failed in the background "
+                            f"({storage.describe(e)}); {self.intact_note()}. Free space or fix the directory, then "
+                            "rerun the same command to resume") from e
+    self._pending = None
 
-  def close(self):
-    self._mgr.close()
+  def close(self, quiet: bool = False):
+    """Finishes outstanding saves and closes. quiet=True (on the way out of a failed run): a library error here is
+    kept in the debug log instead of hiding the error that ended the run."""
+    try:
+      self.wait()
+      self._mgr.close()
+    except Exception as e:  # noqa: BLE001
+      if not quiet:
+        raise
+      log = storage.active_debug_log()
+      if log is not None:
+        log.exception(e)

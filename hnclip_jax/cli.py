@@ -7,21 +7,30 @@ import os
 import re
 import sys
 
+from hnclip_jax import storage
 from hnclip_jax.checkpoint import CheckpointError
 
 
 def clean_errors(main):
-  """Wraps an absl main: ValueError/FileNotFoundError/CheckpointError -> 'error: ...' on stderr, exit 2
-  (HNCLIP_TRACEBACK=1 re-raises)."""
+  """Wraps an absl main: ValueError/FileNotFoundError/CheckpointError/StorageError/OSError -> one 'error: ...'
+  line on stderr (the traceback goes to the workdir's debug log when one is open), exit 2 (HNCLIP_TRACEBACK=1
+  re-raises)."""
 
   @functools.wraps(main)
   def wrapped(argv):
     try:
       return main(argv)
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
+    except (ValueError, FileNotFoundError, CheckpointError, storage.StorageError, OSError) as e:
       if os.environ.get("HNCLIP_TRACEBACK"):
         raise
-      print(f"error: {e}", file=sys.stderr, flush=True)
+      log = storage.active_debug_log()
+      if log is not None and isinstance(e, (storage.StorageError, OSError)) and not isinstance(e, FileNotFoundError):
+        log.exception(e)  # a storage failure's library causes; a configuration error is its own explanation
+      msg = str(e)
+      if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
+        msg = (f"{storage.describe(e)}; fix the file system (space, permissions, mount) and rerun the same "
+               "command")
+      storage.print_error(msg)
       sys.exit(2)
 
   return wrapped

@@ -8,42 +8,100 @@ import time
 import jax
 from absl import logging
 
+from hnclip_jax import storage
+
 
 class MetricsWriter:
-  """write(step, {name: float}) appends one JSON line and TensorBoard scalars."""
+  """write(step, {name: float}) appends one JSON line and TensorBoard scalars; a failed write raises
+  StorageError naming the file and the step (the event files' writer thread included: its errors surface at the
+  next write instead of hanging the run)."""
 
   def __init__(self, workdir: str, enabled: bool | None = None):
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self.tb_dir = os.path.join(workdir, "tensorboard")
     self._tb = None
     if self.enabled:
-      from tensorboardX import SummaryWriter  # writes event files without TensorFlow
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      # TensorBoard's own event writer (no TensorFlow needed): unlike tensorboardX's, its writer thread hands a
+      # failed write back to the caller, so a full disk cannot leave flush() waiting forever.
+      from tensorboard.summary.writer.event_file_writer import EventFileWriter
+      try:
+        self._tb = EventFileWriter(self.tb_dir)
+      except OSError as e:
+        raise storage.StorageError(f"creating TensorBoard events in {self.tb_dir} failed ({storage.describe(e)}); "
+                                   "free space or fix the directory and rerun") from e
 
   def truncate_after(self, step: int) -> None:
-    """On resume: drop lines logged after the restored checkpoint, so no step appears twice."""
+    """On resume: drop lines logged after the restored checkpoint, so no step appears twice, and set aside lines a
+    cut-off write left (with a warning): they never block a resume. Dropping a tail cuts the file in place (no
+    space needed, so this works on the full disk that stopped the run)."""
     if not self.enabled or not os.path.exists(self.path):
       return
-    with open(self.path) as f:
-      keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    rows, torn = storage.read_jsonl(self.path)
+    if torn:
+      print(storage.torn_warning(self.path, torn), flush=True)
+    keep = lambda r: isinstance(r.get("step"), (int, float)) and r["step"] <= step  # noqa: E731
+    if not torn and all(keep(r) for r in rows):
+      return
+    offset, cut = 0, None  # the byte offset after the last kept line, if every later line is dropped
+    with open(self.path, "rb") as f:
+      for raw in f:
+        try:
+          row = json.loads(raw)
+        except ValueError:
+          row = None
+        if isinstance(row, dict) and keep(row):
+          if cut is not None:
+            break  # a kept line after a dropped one: rewrite the file below
+        elif cut is None:
+          cut = offset
+        offset += len(raw)
+      else:
+        cut = offset if cut is None else cut
+        try:
+          os.truncate(self.path, cut)
+          return
+        except OSError as e:
+          raise storage.StorageError(f"cutting {self.path} back to step {step} failed ({storage.describe(e)}); fix "
+                                     "the directory and rerun the same command") from e
     tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(keep)
-    os.replace(tmp, self.path)
+    try:
+      with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows if keep(r))
+      os.replace(tmp, self.path)
+    except OSError as e:
+      raise storage.StorageError(f"rewriting {self.path} to step {step} failed ({storage.describe(e)}); free space "
+                                 "or fix the directory and rerun the same command") from e
 
   def write(self, step: int, scalars: dict) -> None:
     if not self.enabled:
       return
+    from tensorboard.compat.proto import event_pb2, summary_pb2
     row = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(row) + "\n")
-    for k, v in scalars.items():
-      self._tb.add_scalar(k.replace("@", ""), float(v), int(step))  # TensorBoard tags cannot hold "@"
-    self._tb.flush()
+    try:
+      storage.append_jsonl(self.path, row)
+    except OSError as e:
+      raise storage.StorageError(f"appending step {step} to {self.path} failed ({storage.describe(e)})") from e
+    summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=k.replace("@", ""), simple_value=float(v))
+                                         for k, v in scalars.items()])  # TensorBoard tags cannot hold "@"
+    try:
+      self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+      self._tb.flush()
+    except OSError as e:
+      raise storage.StorageError(f"writing step {step} to the TensorBoard events in {self.tb_dir} failed "
+                                 f"({storage.describe(e)})") from e
 
-  def close(self):
+  def close(self, quiet: bool = False):
+    """quiet=True (on the way out of a failed run): a failure here is not raised over the one that ended it."""
     if self._tb is not None:
-      self._tb.close()
+      tb, self._tb = self._tb, None
+      try:
+        tb.close()
+      except OSError as e:
+        if quiet:
+          return
+        raise storage.StorageError(f"closing the TensorBoard events in {self.tb_dir} failed "
+                                   f"({storage.describe(e)})") from e
 
 
 class Progress:

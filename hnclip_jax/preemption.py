@@ -9,6 +9,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from hnclip_jax import storage
+
 
 class StopRequest:
   """Turns the first SIGTERM/SIGINT into a request to stop after the current step; a second one kills as usual.
@@ -57,7 +59,7 @@ class StopRequest:
 def check_workdir(workdir: str) -> None:
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ValueError(f"--workdir={workdir} is a file; pass a directory")
-  os.makedirs(workdir, exist_ok=True)
+  storage.check_writable(workdir, "--workdir")
   if not os.access(workdir, os.R_OK | os.W_OK | os.X_OK):
     raise ValueError(f"--workdir={workdir} is not readable and writable by this user; fix its permissions or "
                      "choose another directory")

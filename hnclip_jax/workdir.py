@@ -23,6 +23,7 @@ import time
 
 import jax
 
+from hnclip_jax import storage
 from hnclip_jax.config import MODEL_RUNTIME_FIELDS, flatten
 from hnclip_jax.data.tokenizer import load_tokenizer
 from hnclip_jax.models import CLIPConfig
@@ -44,11 +45,18 @@ DATA_LOCATION_KEYS = ("data_dir",)
 
 
 def _write_json(path: str, obj) -> None:
-  """Atomic: a reader sees the old file or the new one, never half of one."""
+  """Atomic: a reader sees the old file or the new one, never half of one (a failed write leaves no temp file)."""
   tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2)
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "w") as f:
+      json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+  except OSError:
+    try:
+      os.remove(tmp)
+    except OSError:
+      pass
+    raise
 
 
 def read_model(directory: str) -> CLIPConfig | None:
@@ -150,12 +158,21 @@ class Workdir:
     """The data config recorded at the run's first start, or None (a workdir from before data.json existed)."""
     if not os.path.exists(self.data_json):
       return None
-    with open(self.data_json) as f:
-      return json.load(f)["data"]
+    try:
+      with open(self.data_json) as f:
+        return json.load(f)["data"]
+    except (ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"{self.data_json} is damaged ({type(e).__name__}: {e}); it records the data this workdir "
+                       "trains on: restore it from a backup, or rewrite it as {\"data\": {...}} with the data "
+                       "config the run started with") from e
 
   def save_data(self, data_config: dict) -> None:
     if jax.process_index() == 0:
-      _write_json(self.data_json, {"data": dict(data_config)})
+      try:
+        _write_json(self.data_json, {"data": dict(data_config)})
+      except OSError as e:
+        raise storage.StorageError(f"writing {self.data_json} failed ({storage.describe(e)}); nothing was trained "
+                                   "yet. Free space or fix the workdir and rerun the same command") from e
 
   # ---- checkpoints ----
   def checkpoint_steps(self) -> list[int]:
@@ -180,12 +197,18 @@ class Workdir:
     if jax.process_index() != 0:
       return
     row = {**result, **(details or {}), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    with open(self.eval_history, "a") as f:
-      f.write(json.dumps(row) + "\n")
-    _write_json(self.eval_results, result)
+    for path, write in ((self.eval_history, lambda: storage.append_jsonl(self.eval_history, row)),
+                        (self.eval_results, lambda: _write_json(self.eval_results, result))):
+      try:
+        write()
+      except OSError as e:
+        raise storage.StorageError(f"recording the result of step {result.get('step')} in {path} failed "
+                                   f"({storage.describe(e)}); the recall printed above was not saved. Free space "
+                                   "or fix the workdir and rerun eval.py") from e
 
   def eval_records(self) -> list[dict]:
-    if not os.path.exists(self.eval_history):
-      return []
-    with open(self.eval_history) as f:
-      return [json.loads(line) for line in f if line.strip()]
+    """Every recorded eval result; lines a cut-off write left are set aside with a warning."""
+    rows, torn = storage.read_jsonl(self.eval_history)
+    if torn:
+      print(storage.torn_warning(self.eval_history, torn), flush=True)
+    return rows

@@ -93,9 +93,10 @@ def check_resume_is_bit_identical(args, workdir, copy_to, last: int, resume_from
 
 
 def listing(root):
-  """Every file under `root` (but a lock file) with its size: 'nothing on disk changed' is this staying equal."""
+  """Every file under `root` (but the lock file and the debug log, which records why a run stopped) with its size:
+  'nothing on disk changed' is this staying equal."""
   return sorted((os.path.relpath(os.path.join(d, f), root), os.path.getsize(os.path.join(d, f)))
-                for d, _, fs in os.walk(root) for f in fs if f != ".lock")
+                for d, _, fs in os.walk(root) for f in fs if f not in (".lock", "debug.log"))
 
 
 @pytest.fixture(scope="session")

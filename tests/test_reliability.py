@@ -226,3 +226,136 @@ def test_restore_onto_other_layouts(tmp_path, tfds_dir):
     with open(full / "eval_results.json") as f:
       results.append(json.load(f))
   assert results[0] == results[1]
+
+
+# ---- faults of real file systems and real optimisation (docs/reliability.md, "When the machine misbehaves") ------
+
+def _error_line(proc):
+  """The one line a failed run ends with; above it only one-line library warnings (no traceback reaches the
+  console: they are in WORKDIR/debug.log)."""
+  assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stderr[-3000:]
+  lines = proc.stderr.strip().splitlines()
+  assert lines[-1].startswith("error: ") and not any(line.startswith("error: ") for line in lines[:-1])
+  return lines[-1]
+
+
+def test_full_disk_stops_at_once_and_a_rerun_ends_bit_identical(tmp_path, tfds_dir, reference):
+  """The workdir on a disk that fills after two checkpoints (a 1.7 MB tmpfs; without root, a 100 kB limit on every
+  file, RLIMIT_FSIZE, which fails the first checkpoint): the run stops at the checkpoint that does not fit, naming
+  it, with no traceback on the console, and so does a resume on the still full disk at its first save; a line cut
+  off in metrics.jsonl by the full disk is set aside; with space back the rerun ends bit-identical to the
+  uninterrupted run."""
+  from test_storage import small_disk
+  disk = tmp_path / "disk"
+  with small_disk(disk, 1700) as mounted:
+    workdir = disk / "w"
+    args = [sys.executable, *BASE, "--workdir", str(workdir), f"--config.data.data_dir={tfds_dir}"]
+    if not mounted:  # every file limited to 100 kB (a checkpoint's array file is ~135 kB), SIGXFSZ ignored
+      args = ["bash", "-c", "trap '' XFSZ; ulimit -f 100; exec \"$@\"", "bash", *args]
+    for attempt in ("first run", "a resume on the still full disk"):
+      proc = subprocess.run(args, cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=600)
+      err = _error_line(proc)
+      done = steps(workdir)
+      failed = int(err.split(f"{workdir}/checkpoints/")[1].split()[0].rstrip(")"))
+      assert "Free space" in err and "rerun the same command" in err and failed > max(done, default=0), (attempt, err)
+      assert failed <= 8 and done == [s for s in (2, 4, 6) if s < failed], (attempt, err)
+    with open(workdir / "metrics.jsonl", "a") as f:  # what a write the full disk cut off leaves
+      f.write('{"step": 13, "loss": 9.5')
+    if mounted:
+      subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
+    again = train(workdir, tfds_dir)
+    assert f"{workdir}/metrics.jsonl: set aside 1 line(s)" in again.stdout
+    if done:
+      assert f"(step {done[-1]})" in again.stdout
+    assert_identical_to(reference, workdir)
+
+
+def test_diverged_runs_stop_and_keep_no_bad_checkpoint(tmp_path, tfds_dir):
+  """lr=1e39 overflows the parameters in the first update: nothing is written. lr=1e30 with on_nonfinite=skip keeps
+  finite but huge parameters whose embeddings are NaN: the first eval stops the run instead of reporting R@1 = 100,
+  its checkpoints (values ~1e29) verify, and eval.py refuses them the same way."""
+  overflow = tmp_path / "overflow"
+  proc = train(overflow, tfds_dir, "--config.optimizer.lr=1e39", "--config.optimizer.warmup_steps=0",
+               "--config.checkpoint_every=1", "--config.total_steps=6", check=False)
+  err = _error_line(proc)
+  assert "the state after step 1 holds NaN or Inf in" in err and "first: params/" in err
+  assert "no checkpoint is complete yet" in err and "lower optimizer.lr" in err
+  assert steps(overflow) == [] and os.listdir(overflow / "checkpoints") == []
+
+  skip = tmp_path / "skip"
+  proc = train(skip, tfds_dir, "--config.optimizer.lr=1e30", "--config.on_nonfinite=skip", "--config.eval_every=4",
+               check=False)
+  err = _error_line(proc)
+  assert err.startswith("error: eval at step 4: non-finite (NaN or Inf) 40 of 40 image embeddings"), err
+  assert "R@1=100" not in proc.stdout and steps(skip) == [2, 4]
+  ev = run_py(["eval.py", "--config", "configs/demo.py:test", "--workdir", str(skip),
+               f"--config.data.data_dir={tfds_dir}"], check=False)
+  assert _error_line(ev).startswith("error: non-finite (NaN or Inf) 40 of 40 image embeddings")
+  assert not (skip / "checkpoints_damaged").exists() and not (skip / "eval_results.json").exists()
+
+
+def test_read_only_storage_stops_within_seconds(tmp_path, tfds_dir, reference):
+  """A read-only checkpoints/ (a read-only bind mount as root, else no write permission) and a new workdir under
+  a read-only directory: one line each, in seconds, nothing changed."""
+  from test_storage import can_mount
+  workdir = _copy(reference, tmp_path)
+  ro = [workdir / "checkpoints", tmp_path / "parent"]
+  ro[1].mkdir()
+  mounted = can_mount()
+  for d in ro:
+    if mounted:
+      subprocess.run(["mount", "--bind", str(d), str(d)], check=True)
+      subprocess.run(["mount", "-o", "remount,bind,ro", str(d)], check=True)
+    else:
+      os.chmod(d, 0o500)
+  try:
+    before = listing(workdir)
+    t0 = time.time()
+    proc = train(workdir, tfds_dir, "--config.total_steps=10", check=False)
+    elapsed = time.time() - t0
+    err = _error_line(proc)
+    assert err.startswith(f"error: the checkpoint directory {workdir}/checkpoints cannot be written (")
+    assert elapsed < 90 and listing(workdir) == before  # the start-up check, not a 5-minute coordination timeout
+    new = ro[1] / "new"
+    err = _error_line(train(new, tfds_dir, check=False))
+    assert err.startswith(f"error: --workdir {new} cannot be written (") and not new.exists()
+  finally:
+    for d in ro:
+      subprocess.run(["umount", str(d)], capture_output=True)
+      os.chmod(d, 0o755)
+
+
+def test_eval_on_damaged_or_unwritable_workdirs(tmp_path, tfds_dir, reference):
+  """eval.py: truncated array files or a truncated metadata file name the checkpoint and suggests --step; a file as
+  --workdir is called a file; a workdir it cannot record in is refused before evaluating."""
+  workdir = _copy(reference, tmp_path)
+  evaluate = lambda *extra: run_py(["eval.py", "--config", "configs/demo.py:test", "--workdir", str(workdir),  # noqa
+                                    f"--config.data.data_dir={tfds_dir}", *extra], check=False)
+  data = [os.path.join(d, f) for d, _, fs in os.walk(workdir / "checkpoints" / "8" / "state") for f in fs
+          if os.sep + "d" + os.sep in os.path.join(d, f)]  # the array data files (parameters among them)
+  for path in data:
+    with open(path, "r+b") as f:
+      f.truncate(100)
+  meta = workdir / "checkpoints" / "6" / "meta" / "metadata"
+  with open(meta, "r+b") as f:
+    f.truncate(100)
+  for step in (8, 6):
+    err = _error_line(evaluate(f"--step={step}"))
+    assert err.startswith(f"error: checkpoint {workdir}/checkpoints/{step} cannot be read: it is damaged (")
+    assert "--step=N (complete: [2, 4, " in err
+  err = _error_line(run_py(["eval.py", "--config", "configs/demo.py:test", "--workdir", str(workdir / "data.json")],
+                           check=False))
+  assert err == f"error: --workdir={workdir}/data.json is a file; pass the directory train.py wrote to"
+  from test_storage import can_mount
+  if can_mount():
+    subprocess.run(["mount", "--bind", str(workdir), str(workdir)], check=True)
+    subprocess.run(["mount", "-o", "remount,bind,ro", str(workdir)], check=True)
+  else:
+    os.chmod(workdir, 0o500)
+  try:
+    err = _error_line(evaluate("--step=4"))
+    assert f"{workdir} cannot be written (" in err and "eval.py records its result" in err
+  finally:
+    subprocess.run(["umount", str(workdir)], capture_output=True)
+    os.chmod(workdir, 0o755)

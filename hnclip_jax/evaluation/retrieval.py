@@ -45,6 +45,27 @@ def _recall(queries, gallery, target, owner, ks, chunk):
   return {f"R@{k}": 100.0 * float(h) / n for k, h in zip(ks, hits)}
 
 
+class NonFiniteEmbeddings(ValueError):
+  """Some embeddings (or scores) are NaN or Inf: any recall computed from them would be meaningless."""
+
+
+def check_finite(**arrays) -> None:
+  """Raises NonFiniteEmbeddings naming, per array (name=[N, ...]), how many rows hold a NaN or Inf and the first.
+
+  A NaN compares false with everything, so a collapsed, diverged model would otherwise rank every ground truth
+  first and report perfect recall: evaluation stops instead (it never counts such rows as hits or misses)."""
+  bad = []
+  for name, x in arrays.items():
+    x = np.asarray(x)
+    rows = np.flatnonzero(~np.all(np.isfinite(x.reshape(len(x), -1)), axis=1)) if x.size else []
+    if len(rows):
+      bad.append(f"{len(rows)} of {len(x)} {name} (first: row {rows[0]})")
+  if bad:
+    raise NonFiniteEmbeddings(f"non-finite (NaN or Inf) {' and '.join(bad)}: the model's outputs are not numbers "
+                              "(a diverged run?), so no recall is reported. Evaluate an earlier checkpoint (--step) "
+                              "or retrain with a lower optimizer.lr")
+
+
 def recall_at_k(img_emb, txt_emb, ks=(1, 5, 10), chunk: int = 1024, caption_image=None):
   """img_emb [N_img, D], txt_emb [N_cap, D] -> {"t2i": {"R@k": %}, "i2t": {"R@k": %}}.
 
@@ -65,6 +86,7 @@ def recall_at_k(img_emb, txt_emb, ks=(1, 5, 10), chunk: int = 1024, caption_imag
                      f"({len(txt_emb)})")
   if len(caption_image) and (caption_image.min() < 0 or caption_image.max() >= len(img_emb)):
     raise ValueError(f"caption_image holds rows outside 0..{len(img_emb) - 1}")
+  check_finite(**{"image embeddings": img_emb, "caption embeddings": txt_emb})
   missing = np.setdiff1d(np.arange(len(img_emb)), caption_image)
   if len(missing):
     raise ValueError(f"{len(missing)} image(s) have no caption (first: row {missing[0]}); image→text recall "
@@ -79,6 +101,7 @@ def recall_from_scores(scores, caption_image=None, ks=(1, 5, 10)):
   in `recall_at_k`. Ties count against the ground truth, as there. For scores that are not a dot product of
   embeddings (FineLIP's late interaction); the matrix is held in host memory (4·N_cap·N_img bytes)."""
   scores = np.asarray(scores, np.float64)
+  check_finite(**{"caption rows of the score matrix": scores})
   n_cap, n_img = scores.shape
   caption_image = np.arange(n_img) if caption_image is None else np.asarray(caption_image, np.int64)
   if caption_image.shape != (n_cap,):

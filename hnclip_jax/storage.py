@@ -1,0 +1,259 @@
+"""Writing a workdir when the file system misbehaves (full, read-only, flaky): appended JSON-lines logs that a
+cut-off write cannot break, write checks that fail fast with one line, and library tracebacks kept in a debug log.
+
+    append_jsonl(path, row)      one line, all or nothing: a failed write takes its partial line back
+    read_jsonl(path)             -> (rows, torn): lines that do not parse (a line cut off by a full disk or a kill)
+                                  are returned apart, never raised
+    check_writable(dir, what)    creates `dir` and a probe file in it; StorageError naming it if it cannot
+    describe(err)                'No space left on device (ENOSPC): /w/metrics.jsonl' for any OSError
+    DebugLog                     library log records and thread tracebacks -> WORKDIR/debug.log, not the console
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging as std_logging
+import os
+import sys
+import tempfile
+import threading
+import traceback
+
+DEBUG_LOG = "debug.log"
+
+
+class StorageError(RuntimeError):
+  """A file of the run could not be written or read; the message names it, the step and what to do."""
+
+
+def describe(err: BaseException) -> str:
+  """One line for an OSError (its errno name, message and file) or any other exception (its first line)."""
+  if isinstance(err, OSError) and err.errno is not None:
+    name = errno.errorcode.get(err.errno, str(err.errno))
+    where = f": {err.filename}" if err.filename else ""
+    return f"{err.strerror or os.strerror(err.errno)} ({name}){where}"
+  first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+  return f"{type(err).__name__}: {first[:400]}"
+
+
+def append_jsonl(path: str, row: dict) -> None:
+  """Appends `row` as one JSON line. If the write fails part-way (a full disk), the partial line is cut off
+  again before the OSError propagates, so the file stays a list of whole lines."""
+  data = (json.dumps(row) + "\n").encode()
+  fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+  try:
+    size = os.fstat(fd).st_size
+    if size and os.pread(fd, 1, size - 1) != b"\n":  # an earlier torn line: keep it on a line of its own
+      data = b"\n" + data
+    try:
+      view = memoryview(data)
+      while view:
+        view = view[os.write(fd, view):]
+    except OSError:
+      try:
+        os.ftruncate(fd, size)  # shrinking needs no space
+      except OSError:
+        pass
+      raise
+  finally:
+    os.close(fd)
+
+
+def read_jsonl(path: str) -> tuple[list[dict], list[tuple[int, str]]]:
+  """-> (rows, torn): every line that is a JSON object, and (line number, text) of those that are not (a line cut
+  off by a full disk or a kill). A missing file is empty."""
+  rows, torn = [], []
+  if not os.path.exists(path):
+    return rows, torn
+  with open(path, "rb") as f:
+    for i, raw in enumerate(f, 1):
+      text = raw.decode("utf-8", errors="replace").strip()
+      if not text:
+        continue
+      try:
+        row = json.loads(text)
+      except ValueError:
+        row = None
+      if isinstance(row, dict):
+        rows.append(row)
+      else:
+        torn.append((i, text))
+  return rows, torn
+
+
+def torn_warning(path: str, torn: list[tuple[int, str]]) -> str:
+  lines = ", ".join(str(i) for i, _ in torn[:5]) + (" ..." if len(torn) > 5 else "")
+  return (f"WARNING: {path}: set aside {len(torn)} line(s) that are not whole JSON rows (line {lines}: "
+          f"{torn[0][1][:80]!r}); a write was cut off (full disk or kill)")
+
+
+def check_writable(directory: str, what: str) -> None:
+  """Creates `directory` if needed and a probe file in it; StorageError naming `what` if either fails."""
+  try:
+    os.makedirs(directory, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
+    try:
+      os.write(fd, b"x")
+    finally:
+      os.close(fd)
+      os.remove(probe)
+  except OSError as e:
+    raise StorageError(f"{what} {directory} cannot be written ({describe(e)}); make it writable (or free space) or "
+                       "choose another directory. Nothing was changed") from e
+
+
+def free_bytes(directory: str) -> int | None:
+  try:
+    st = os.statvfs(directory)
+  except OSError:
+    return None
+  return st.f_bavail * st.f_frsize
+
+
+class _ConsoleFilter(std_logging.Filter):
+  """Keeps library tracebacks and multi-line records off the console (they go to the debug log)."""
+
+  def filter(self, record):
+    return not (record.exc_info or "\n" in str(record.msg) or record.levelno >= std_logging.ERROR
+                and "hnclip_jax" not in (record.pathname or ""))
+
+
+class _FileHandler(std_logging.StreamHandler):
+  def handleError(self, record):  # the disk that failed the run may fail the log too: never print about it
+    pass
+
+
+class _ThreadOutput:
+  """sys.stderr while a DebugLog is active: the main thread writes to the console; other threads (library
+  callbacks printing tracebacks from C++ threads, e.g. after a failed background write) to the debug log."""
+
+  def __init__(self, console, log):
+    self._console, self._log = console, log
+
+  def write(self, text):
+    if threading.current_thread() is threading.main_thread():
+      return self._console.write(text)
+    self._log.write(text, newline=False)
+    return len(text)
+
+  def flush(self):
+    self._console.flush()
+
+  def __getattr__(self, name):
+    return getattr(self._console, name)
+
+
+class _LazyFile:
+  """A file opened at its first write (a run that logs nothing leaves none); in the temp directory when `path`
+  cannot be written."""
+
+  def __init__(self, path: str):
+    self.path, self._f = path, None
+
+  def write(self, text: str) -> None:
+    if self._f is None:
+      try:
+        self._f = open(self.path, "a")
+      except OSError:
+        fd, self.path = tempfile.mkstemp(prefix="hnclip_jax-debug-", suffix=".log")
+        self._f = os.fdopen(fd, "a")
+    self._f.write(text)
+    self._f.flush()
+
+  def flush(self) -> None:
+    pass
+
+  def close(self) -> None:
+    if self._f is not None:
+      self._f.close()
+
+
+class DebugLog:
+  """While active: warnings and errors of every library (with their tracebacks) and uncaught exceptions of
+  background threads go to DIR/debug.log (created at the first record; in the temp directory when DIR cannot be
+  written); the console keeps one-line warnings and this package's own messages. `path` is where the records go."""
+
+  def __init__(self, directory: str):
+    self._file = _LazyFile(os.path.join(directory, DEBUG_LOG))
+    self.records = 0
+    self.last_error = None  # first line of the latest ERROR record: the cause a later one-line error can quote
+    self._handler = _FileHandler(self._file)
+    self._handler.setLevel(std_logging.WARNING)
+    self._handler.setFormatter(std_logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    self._handler.addFilter(self._count)
+    std_logging.getLogger().addHandler(self._handler)
+    self._filter = _ConsoleFilter()
+    from absl import logging as absl_logging
+    self._console = absl_logging.get_absl_handler()
+    self._console.addFilter(self._filter)
+    self._previous_hook = threading.excepthook
+    threading.excepthook = self._thread_exception
+    self._stderr = sys.stderr
+    sys.stderr = _ThreadOutput(sys.stderr, self)
+    std_logging.captureWarnings(True)  # Python warnings become log records: one-line ones still reach the console
+
+  @property
+  def path(self) -> str:
+    return self._file.path
+
+  def _count(self, record) -> bool:
+    self.records += 1
+    if record.levelno >= std_logging.ERROR:
+      try:
+        msg = record.getMessage()
+      except Exception:  # noqa: BLE001
+        msg = str(record.msg)
+      lines = [line for line in msg.splitlines() if line.strip()]
+      if lines:  # Orbax words the cause last: "... raised an exception: RESOURCE_EXHAUSTED: ... No space left"
+        self.last_error = lines[0].split("raised an exception: ")[-1][:500]
+    return True
+
+  def _thread_exception(self, args) -> None:
+    if args.exc_type is SystemExit:
+      return
+    name = args.thread.name if args.thread is not None else "?"
+    self.write(f"exception in thread {name}:\n" +
+               "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
+
+  def write(self, text: str, newline: bool = True) -> None:
+    try:
+      self._file.write(text.rstrip("\n") + "\n" if newline else text)
+      self.records += 1
+    except (OSError, ValueError):  # the disk that failed the run may fail this too; the console has the error
+      pass
+
+  def exception(self, err: BaseException) -> None:
+    self.write("".join(traceback.format_exception(type(err), err, err.__traceback__)))
+
+  def close(self) -> None:
+    std_logging.captureWarnings(False)
+    sys.stderr = self._stderr
+    std_logging.getLogger().removeHandler(self._handler)
+    self._console.removeFilter(self._filter)
+    threading.excepthook = self._previous_hook
+    try:
+      self._file.close()
+    except OSError:
+      pass
+
+
+_active: DebugLog | None = None
+
+
+def start_debug_log(directory: str) -> DebugLog:
+  """Starts (once per process) the debug log of an entry point's workdir."""
+  global _active
+  if _active is None:
+    _active = DebugLog(directory)
+  return _active
+
+
+def active_debug_log() -> DebugLog | None:
+  return _active
+
+
+def print_error(msg: str) -> None:
+  """The one console line of a failed run, pointing at the debug log when library details went there."""
+  log = _active
+  extra = f" (details: {log.path})" if log is not None and log.records else ""
+  print(f"error: {msg}{extra}", file=sys.stderr, flush=True)
