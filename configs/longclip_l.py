@@ -39,7 +39,9 @@ def get_config(variant: str = "synthetic"):
                      f"methods: {list(METHODS)}, frameworks: {list(FRAMEWORKS)} (e.g. ':docci,lora', "
                      "':docci,finelip')")
   c = base_config()
-  c.model = model_config("vit_l14", text_context=248)
+  # With config.init_from (the paper's setting) the vocabulary comes from the weights (CLIP's BPE); without it (the
+  # built-in data, from scratch) from the tokenizer fitted on the captions: vocab_size 0 / eot_token_id -1.
+  c.model = model_config("vit_l14", text_context=248, vocab_size=0, eot_token_id=-1)
   c.data.name = dataset
   c.data.image_size = 224
   c.seed = 42

@@ -194,6 +194,12 @@ def model_config(config, tokenizer) -> CLIPConfig:
   if d["vocab_size"] < tokenizer.vocab_size:
     raise ValueError(f"config.model.vocab_size={d['vocab_size']} is smaller than the tokenizer's "
                      f"vocabulary ({tokenizer.vocab_size}); set it to 0 to take the tokenizer's size")
+  if d["eot_token_id"] != tokenizer.eot_id:  # every caption would be pooled at position 0: identical embeddings
+    raise ValueError(f"config.model.eot_token_id={d['eot_token_id']} is not the end token of the {tokenizer.kind} "
+                     f"tokenizer ({tokenizer.eot_id}; {tokenizer.vocab_size} tokens), so the text tower would pool "
+                     "every caption at the same position. Without config.init_from the model takes the tokenizer's "
+                     "ids: set --config.model.eot_token_id=-1 --config.model.vocab_size=0 (or start from weights "
+                     "with --config.init_from)")
   return runtime(CLIPConfig.from_dict({**d, **adapter_fields(config), **framework_fields(config)}), config)
 
 

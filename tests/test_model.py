@@ -1,11 +1,13 @@
 """CLIP towers against a NumPy re-implementation of the OpenAI-CLIP forward pass, plus structural checks."""
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import ROOT
 from hnclip_jax.models import CLIPConfig, PRESETS, abstract_model, bind, init_params
 
 CFG = CLIPConfig(embed_dim=24, image_size=16, patch_size=4, vision_width=32, vision_layers=2, vision_heads=4,
@@ -134,3 +136,46 @@ def test_config_validation_names_the_field():
     CLIPConfig(**{**CFG.__dict__, "text_layers": 0}).validate()
   with pytest.raises(ValueError, match="act='relu'"):
     CLIPConfig(**{**CFG.__dict__, "act": "relu"}).validate()
+
+
+SHARED = os.environ.get("HNCLIP_SHARED_DIR", os.path.join(os.path.dirname(ROOT), "shared"))
+
+
+def test_model_and_tokenizer_agree_before_anything_compiles(tmp_path):
+  """Every preset × tokenizer kind (a word tokenizer fitted on captions, OpenAI's CLIP BPE, a converted directory's
+  tokenizer read back): the preset's CLIP ids are accepted only with a tokenizer that ends captions with them;
+  0 / -1 take the tokenizer's. Without that check the default `configs/longclip_l.py` (no weights, the built-in
+  word tokenizer, end token 3) pooled every caption at position 0: identical text embeddings from step 1."""
+  from configs import longclip_l
+  from hnclip_jax import config as config_lib, experiment
+  from hnclip_jax.data.tokenizer import WordTokenizer
+  from hnclip_jax.pretrained.clip_tokenizer import CLIPTokenizer
+  from hnclip_jax.workdir import read_tokenizer, write_tokenizer
+  word = WordTokenizer.fit(["a small red circle left of a blue square", "a green triangle"], context_length=77)
+  bpe = CLIPTokenizer.from_openai_bpe(os.path.join(SHARED, "data", "bpe_simple_vocab_16e6.txt.gz"), 77)
+  write_tokenizer(str(tmp_path), bpe)
+  converted = read_tokenizer(str(tmp_path))
+  assert (word.eot_id, bpe.eot_id, converted.eot_id) == (3, 49407, 49407)
+
+  def config(preset, **model):
+    c = config_lib.base_config()
+    c.model = config_lib.model_config(preset, **model)
+    return c
+  for preset in ("tiny", "vit_b16", "vit_l14"):
+    for tok in (word, bpe, converted):
+      if tok.eot_id == PRESETS[preset].eot_token_id:
+        cfg = experiment.model_config(config(preset), tok)
+        assert (cfg.vocab_size, cfg.eot_token_id) == (49408, 49407)
+      else:
+        with pytest.raises(ValueError, match=rf"config.model.eot_token_id=49407 is not the end token of the "
+                                             rf"{tok.kind} tokenizer \(3; .*set --config.model.eot_token_id=-1 "
+                                             r"--config.model.vocab_size=0"):
+          experiment.model_config(config(preset), tok)
+      cfg = experiment.model_config(config(preset, vocab_size=0, eot_token_id=-1), tok)
+      assert cfg.eot_token_id == tok.eot_id and tok.vocab_size <= cfg.vocab_size < tok.vocab_size + 128
+  # The paper's config without init_from (the README's `train.py --config configs/longclip_l.py`): the tokenizer's
+  # ids, at ViT-L/14's real shapes.
+  cfg = experiment.model_config(longclip_l.get_config(), word)
+  assert (cfg.eot_token_id, cfg.vocab_size, cfg.text_context) == (3, 128, 248)
+  _, abstract = abstract_model(cfg)
+  assert abstract["token_embedding"]["embedding"].shape == (128, 768)
