@@ -275,7 +275,9 @@ class Checkpointer:
     except storage.StorageError as e:
       raise CheckpointError(f"checkpoint {self.directory}/{step} was not written: {e}; "
                             f"{self.intact_note()}") from e
-    need = sum(int(x.nbytes) for x in jax.tree.leaves(state))
+    # What this process writes: its primary copy of each shard (all of it on one process).
+    need = sum(int(sh.data.nbytes) for x in jax.tree.leaves(state) for sh in getattr(x, "addressable_shards", [])
+               if sh.replica_id == 0)
     free = storage.free_bytes(self.directory)
     if free is not None and free < need:
       raise CheckpointError(f"checkpoint {self.directory}/{step} needs about {need / 2**20:.1f} MiB, but only "
@@ -291,7 +293,7 @@ class Checkpointer:
       raise CheckpointError(f"writing checkpoint {self.directory}/{step} failed ({storage.describe(e)}); "
                             f"{self.intact_note()}. Free space or fix the directory, then rerun the same command "
                             "to resume") from e
-    self._pending = step
+    self._pending = step if saved else None  # Orbax may decline a save (returns False): nothing to watch
     faults.maybe_kill("kill_during_save", step)
     return saved
 
