@@ -139,11 +139,6 @@ def _nonfinite_of(stats: dict) -> tuple[list[str], int]:
   return bad, sum(len(paths) for paths, _ in stats.values())
 
 
-def nonfinite_arrays(tree) -> tuple[list[str], int]:
-  """-> (paths of the leaves of the dict `tree` holding a NaN or Inf, number of leaves)."""
-  return _nonfinite_of({k: _leaf_fingerprints(v) for k, v in tree.items()})
-
-
 def _same(saved, got, rtol=1e-4) -> bool:
   saved, got = np.asarray(saved, np.float64), np.asarray(got, np.float64)
   return saved.shape == got.shape and bool(np.all(np.abs(saved - got) <= rtol * np.abs(saved) + 1e-6))
@@ -308,6 +303,11 @@ class Checkpointer:
     except OSError:
       pass
 
+  def _background_failure(self, step, cause: str) -> CheckpointError:
+    return CheckpointError(f"writing checkpoint {self.directory}/{step} failed in the background ({cause}); "
+                           f"{self.intact_note()}. Free space or fix the directory, then rerun the same command to "
+                           "resume")
+
   def check(self, sync: bool = False) -> None:
     """Raises CheckpointError naming the step if the latest background save failed. Cheap (call it every step): on
     one process it looks only once that save is over; on several, only with sync=True (every process calls it at
@@ -323,10 +323,8 @@ class Checkpointer:
     if failed:
       self._remove_partial(step)
       log = storage.active_debug_log()
-      cause = log.last_error if log is not None and log.last_error else "Orbax logged the cause"
-      raise CheckpointError(f"writing checkpoint {self.directory}/{step} failed in the background ({cause}); "
-                            f"{self.intact_note()}. Free space or fix the directory, then rerun the same command "
-                            "to resume")
+      raise self._background_failure(step, log.last_error if log is not None and log.last_error else
+                                     "Orbax logged the cause")
 
   def read_meta(self, step: int) -> dict:
     return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -480,9 +478,7 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001
       step, self._pending = self._pending, None
       self._remove_partial(step)
-      raise CheckpointError(f"writing checkpoint {self.directory}/{step} failed in the background "
-                            f"({storage.describe(e)}); {self.intact_note()}. Free space or fix the directory, then "
-                            "rerun the same command to resume") from e
+      raise self._background_failure(step, storage.describe(e)) from e
     self._pending = None
 
   def close(self, quiet: bool = False):
