@@ -84,7 +84,7 @@ def main(argv):
 
   # ---- State: newest intact checkpoint, else initial (created on its shardings) ----
   ckpt = wd.checkpointer(max_to_keep=config.max_to_keep, async_save=config.async_checkpointing,
-                         frozen=program.frozen)
+                         overlap_steps=config.checkpoint_overlap_steps, frozen=program.frozen)
   try:
     latest, state, saved_meta = ckpt.restore_latest_intact(
         program.target(), check_meta=lambda meta, where: check_model_compatible(meta.get("model"), model_cfg, where))
@@ -179,7 +179,7 @@ def main(argv):
         state, metrics = step_fn(state, batch)
         faults.maybe_kill("kill", step)
         stopping = stop.requested(step)
-        ckpt.check()  # a background save that failed stops the run now, naming its step
+        ckpt.check(step)  # a failed background save stops the run now (<= checkpoint_overlap_steps later), naming it
         if logging_step or stopping or extra:
           scalars = {k: float(v) for k, v in jax.device_get({**metrics, **extra}).items()}
           writer.write(step, scalars)

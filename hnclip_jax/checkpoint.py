@@ -176,14 +176,17 @@ def graft(a: dict, b: dict) -> dict:
 class Checkpointer:
 
   def __init__(self, directory: str, max_to_keep: int = 3, async_save: bool = True, create: bool = True,
-               retries: int = 3, retry_wait_s: float = 1.0, frozen=None):
-    """frozen: parameter path -> True for parameters stored once in the frozen store, not in every step."""
+               retries: int = 3, retry_wait_s: float = 1.0, frozen=None, overlap_steps: int | None = None):
+    """frozen: parameter path -> True for parameters stored once in the frozen store, not in every step.
+    overlap_steps: check(step) waits for a background save once it has run beside this many steps (None: never
+    waits; a failure then shows when the write ends, or at the next save)."""
     self.directory = os.path.abspath(os.path.expanduser(directory))
     self.frozen_dir = self.directory.rstrip("/") + "_" + FROZEN_DIR
     self.frozen = frozen
     self._frozen_fingerprint = None
     self._pending = None  # the step of the latest save started (async), until it is known to have failed
     self.retries, self.retry_wait_s = retries, retry_wait_s
+    self.overlap_steps = overlap_steps
     self._mgr = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create,
@@ -308,11 +311,15 @@ class Checkpointer:
                            f"{self.intact_note()}. Free space or fix the directory, then rerun the same command to "
                            "resume")
 
-  def check(self, sync: bool = False) -> None:
-    """Raises CheckpointError naming the step if the latest background save failed. Cheap (call it every step): on
-    one process it looks only once that save is over; on several, only with sync=True (every process calls it at
-    the same step: `save` does), since they must agree to stop."""
-    if self._pending is None or (not sync and (jax.process_count() > 1 or self._mgr.is_saving_in_progress())):
+  def check(self, step: int | None = None, sync: bool = False) -> None:
+    """Raises CheckpointError naming the step if the latest background save failed. Call it after every step with
+    that step: once the save has run beside `overlap_steps` steps it waits for the save (every process at the same
+    step, so they agree to stop); before that it is cheap, and on one process it looks once the save is over."""
+    if self._pending is None:
+      return
+    if step is not None and self.overlap_steps is not None and step - self._pending >= self.overlap_steps:
+      sync = True
+    if not sync and (jax.process_count() > 1 or self._mgr.is_saving_in_progress()):
       return
     step = self._pending
     self.wait()  # returns at once when the save is over; raises what Orbax reports

@@ -54,6 +54,10 @@ def base_config() -> ml_collections.ConfigDict:
   # "skip" skips that update and counts it (metric nonfinite_steps).
   c.on_nonfinite = "error"
   c.async_checkpointing = True
+  # Steps a background checkpoint write may run beside training before the step waits for it: a failed write of
+  # step N stops the run at step N + this at the latest, naming step N. Larger hides longer writes (big models on
+  # slow storage) and reports a failure later; ignored when async_checkpointing is False (saves are then synchronous).
+  c.checkpoint_overlap_steps = 1
   # Saturation telemetry on every log step (one extra forward pass there); every `every` steps also the
   # parameter gradients of HN-CLIP vs plain InfoNCE on the same batch (two backward passes). 0 turns them off.
   c.diagnostics = ml_collections.ConfigDict({"log": True, "every": 0})
@@ -142,6 +146,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 POSITIVE = ("batch_size", "grad_accum_steps", "total_steps", "log_every", "checkpoint_every", "eval_every", "max_to_keep",
+            "checkpoint_overlap_steps",
             "eval_batch_size", "data.num_train", "data.num_test", "data.group_size", "data.image_size",
             "optimizer.lr")
 NON_NEGATIVE = ("workers", "loss.chunk_size", "diagnostics.every", "optimizer.weight_decay", "optimizer.warmup_steps",
@@ -273,6 +278,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   framework_fields(config)  # config.framework and config.finelip.* too
   if config.on_nonfinite not in ("error", "skip"):
     raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; choose 'error' or 'skip'")
+  if not config.async_checkpointing and config.checkpoint_overlap_steps != base_config().checkpoint_overlap_steps:
+    raise ValueError(f"config.checkpoint_overlap_steps={config.checkpoint_overlap_steps} does not apply: "
+                     "config.async_checkpointing=False writes each checkpoint before training goes on. Drop one")
   axes = [config.mesh[a] for a in ("data", "fsdp", "tensor")]
   if sum(a == -1 for a in axes) > 1 or any(a == 0 or a < -1 for a in axes):
     raise ValueError(f"config.mesh (data, fsdp, tensor) = {tuple(axes)}: sizes must be positive, "

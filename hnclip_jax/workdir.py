@@ -38,7 +38,8 @@ EVAL_HISTORY = "eval_history.jsonl"
 
 # Config keys that never change what a run computes or stores: not worth naming when a resume differs.
 BOOKKEEPING = ("total_steps", "log_every", "checkpoint_every", "eval_every", "max_to_keep", "eval_batch_size",
-               "workers", "compilation_cache_dir", "async_checkpointing", "init_from", "data.data_dir")
+               "workers", "compilation_cache_dir", "async_checkpointing", "checkpoint_overlap_steps", "init_from",
+               "data.data_dir")
 BOOKKEEPING_PREFIXES = ("diagnostics.",)
 # A data config's identity: every data key except where its build is stored.
 DATA_LOCATION_KEYS = ("data_dir",)
@@ -182,13 +183,14 @@ class Workdir:
     return sorted(int(d) for d in os.listdir(self.checkpoints)
                   if d.isdigit() and os.path.isdir(os.path.join(self.checkpoints, d)))
 
-  def checkpointer(self, *, max_to_keep: int = 3, async_save: bool = True, read_only: bool = False, frozen=None):
+  def checkpointer(self, *, max_to_keep: int = 3, async_save: bool = True, overlap_steps: int | None = None,
+                   read_only: bool = False, frozen=None):
     from hnclip_jax import checkpoint
     if read_only and not os.path.isdir(self.checkpoints):
       raise FileNotFoundError(f"no checkpoints in {self.checkpoints}; train first with "
                               f"train.py --workdir {self.path}")
     return checkpoint.Checkpointer(self.checkpoints, max_to_keep=max_to_keep, async_save=async_save,
-                                   create=not read_only, frozen=frozen)
+                                   overlap_steps=overlap_steps, create=not read_only, frozen=frozen)
 
   # ---- eval results ----
   def record_eval(self, result: dict, details: dict | None = None) -> None:

@@ -260,6 +260,10 @@ def test_full_disk_stops_at_once_and_a_rerun_ends_bit_identical(tmp_path, tfds_d
       failed = int(err.split(f"{workdir}/checkpoints/")[1].split()[0].rstrip(")"))
       assert "Free space" in err and "rerun the same command" in err and failed > max(done, default=0), (attempt, err)
       assert failed <= 8 and done == [s for s in (2, 4, 6) if s < failed], (attempt, err)
+      # Reported within the next step (config.checkpoint_overlap_steps=1): no step after it was logged.
+      from hnclip_jax import storage
+      rows, _ = storage.read_jsonl(str(workdir / "metrics.jsonl"))
+      assert max(r["step"] for r in rows) == failed, (attempt, err, rows[-1])
     with open(workdir / "metrics.jsonl", "a") as f:  # what a write the full disk cut off leaves
       f.write('{"step": 13, "loss": 9.5')
     if mounted:

@@ -211,6 +211,29 @@ def test_a_save_the_disk_cannot_hold_is_refused_before_writing(tmp_path):
     ckpt.close()
 
 
+def test_a_failed_background_save_is_reported_at_the_next_step(tmp_path, monkeypatch):
+  """With overlap_steps=1 the step after a save waits for it, however long the write takes, and names the step
+  whose save failed (Orbax may only log a failed write: the step then is not on disk)."""
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "c"), async_save=True, overlap_steps=1)
+  ckpt.save(4, _state(), {})
+  monkeypatch.setattr(ckpt._mgr, "is_saving_in_progress", lambda: True)  # a slow write ...
+  monkeypatch.setattr(ckpt, "finished_steps", lambda: [])  # ... that ends with nothing on disk
+  ckpt.check(4)  # the step that saved goes on
+  with pytest.raises(checkpoint.CheckpointError, match=r"writing checkpoint .*/c/4 failed in the background"):
+    ckpt.check(5)
+  monkeypatch.undo()
+  ckpt.close()
+  from hnclip_jax import config as config_lib
+  c = config_lib.base_config()
+  c.async_checkpointing, c.checkpoint_overlap_steps = False, 4
+  with pytest.raises(ValueError, match=r"config.checkpoint_overlap_steps=4 does not apply: "
+                                       r"config.async_checkpointing=False"):
+    config_lib.validate(c)
+  c.checkpoint_overlap_steps = 0
+  with pytest.raises(ValueError, match=r"config.checkpoint_overlap_steps=0 must be positive"):
+    config_lib.validate(c)
+
+
 # ---- retrieval refuses NaN --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", ["one image", "one caption", "all"])
