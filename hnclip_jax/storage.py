@@ -252,6 +252,14 @@ def active_debug_log() -> DebugLog | None:
   return _active
 
 
+def stop_debug_log() -> None:
+  """Ends the process's debug log (an entry point run in-process, as the tests do, ends it on the way out)."""
+  global _active
+  if _active is not None:
+    _active.close()
+    _active = None
+
+
 def print_error(msg: str) -> None:
   """The one console line of a failed run, pointing at the debug log when library details went there."""
   log = _active

@@ -1,4 +1,5 @@
 """Shared test set-up: persistent compilation cache, repo on the path, helpers for subprocess runs."""
+import contextlib
 import os
 import socket
 import subprocess
@@ -14,6 +15,54 @@ import jax  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+# ---- scheduling (pyproject.toml: --dist loadgroup --no-loadscope-reorder) -------------------------------------------
+# A unit of work is an xdist group, run by one worker. By default a module is one group (its module-scoped fixtures
+# are built once); the modules below are split into one group per test (their shared runs are session fixtures,
+# built at most once per worker), and tests/test_sharding.py names one group per section of sharded_checks.py.
+# Groups are handed out longest first (seconds from tests/durations.json, tests/record_durations.py refreshes it),
+# so the long ones overlap instead of ending the run alone.
+SPLIT = {"test_reliability", "test_multihost", "test_benchmarks", "test_compile_for", "test_pretrained",
+         "test_frameworks", "test_adapters", "test_goal", "test_structxlip", "test_datasets"}
+# The inner loop (`python -m pytest -m quick tests`, docs/testing.md): the loss, objective, sharding-equivalence,
+# config and data checks that most changes touch.
+QUICK = {"test_losses", "test_objective", "test_model", "test_data", "test_workdir", "test_retrieval",
+         "sharded_checks.core", "sharded_checks.token", "test_train_eval.config"}
+
+
+def group_of(item) -> str:
+  marks = [m.args[0] if m.args else m.kwargs.get("name", "default") for m in item.iter_markers("xdist_group")]
+  if marks:
+    return marks[0]
+  module = item.module.__name__
+  return item.nodeid if module in SPLIT else module
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "quick: the inner-loop selection (docs/testing.md)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  import json
+  try:
+    with open(os.path.join(ROOT, "tests", "durations.json")) as f:
+      seconds = json.load(f)
+  except OSError:
+    seconds = {}
+  groups, cost = {}, {}
+  for item in items:
+    g = groups[id(item)] = group_of(item)
+    cost[g] = cost.get(g, 0.0) + seconds.get(item.nodeid.split("@")[0], 0.0)
+    if not any(item.iter_markers("xdist_group")):
+      item.add_marker(pytest.mark.xdist_group(g))
+    if g in QUICK or item.module.__name__ in QUICK:
+      item.add_marker(pytest.mark.quick)
+  first = {}
+  for i, item in enumerate(items):
+    first.setdefault(groups[id(item)], i)
+  items.sort(key=lambda item: (-cost[groups[id(item)]], first[groups[id(item)]]))
 
 
 def _env(devices, env_extra=None):
@@ -100,9 +149,31 @@ def listing(root):
 
 
 @pytest.fixture(scope="session")
-def tfds_dir(tmp_path_factory):
-  """One TFDS data dir shared by every test (synthetic datasets are built once)."""
-  return str(tmp_path_factory.mktemp("tfds"))
+def tfds_dir(tmp_path_factory, worker_id):
+  """One TFDS data dir shared by every test of a test process, kept between runs like the XLA cache: under
+  ~/.cache/hnclip_jax/tfds-tests/, keyed by the data code (hnclip_jax/data/*.py) and the TFDS version, one per
+  xdist worker (a lock keeps two concurrent runs apart; the second one builds in a temporary directory)."""
+  import fcntl
+  import hashlib
+  import tensorflow_datasets as tfds
+  code = hashlib.sha256(tfds.__version__.encode())
+  data = os.path.join(ROOT, "hnclip_jax", "data")
+  for name in sorted(os.listdir(data)):
+    if name.endswith(".py"):
+      with open(os.path.join(data, name), "rb") as f:
+        code.update(name.encode() + f.read())
+  path = os.path.expanduser(os.path.join("~/.cache/hnclip_jax/tfds-tests", code.hexdigest()[:16], worker_id))
+  try:
+    os.makedirs(path, exist_ok=True)
+    lock = open(os.path.join(path, ".lock"), "w")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    return str(tmp_path_factory.mktemp("tfds"))
+  _TFDS_LOCKS.append(lock)  # held until this test process ends
+  return path
+
+
+_TFDS_LOCKS = []
 
 
 BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
@@ -131,3 +202,64 @@ def render(page: str, screenshot: str | None = None, width: int = 1400, height: 
     subprocess.run(common + [f"--screenshot={screenshot}", f"--window-size={width},{height}", url],
                    capture_output=True, text=True, timeout=120, check=True)
   return dom
+
+
+# ---- entry points in this process -------------------------------------------------------------------------------
+# Error paths that end before anything is built are checked in-process through the functions `python train.py` /
+# `python eval.py` run (their flag parser and main), which saves a fresh interpreter and JAX import per check; a few
+# subprocess checks hold the exit-code contract itself (tests/test_train_eval.py).
+_ENTRIES: dict = {}  # script -> (module, its flags)
+
+
+def _own_flags_of_absl(fv) -> set:
+  return {n for n in fv if (fv.find_module_defining_flag(n) or "").startswith("absl.")}
+
+
+@contextlib.contextmanager
+def _entry_flags(script: str):
+  """Registers the flags of train.py / eval.py (imported as modules once) with absl for one run, with every other
+  non-absl flag set aside meanwhile (both scripts define --config and --workdir, and so do some tools), and the
+  run's --config.* field flags removed afterwards."""
+  from absl import app, flags, logging  # noqa: F401  (absl's own flags are defined before anything else)
+  fv = flags.FLAGS
+  absl_own = _own_flags_of_absl(fv)
+  aside = {n: fv[n] for n in list(fv) if n not in absl_own}
+  for name in aside:
+    delattr(fv, name)
+  try:
+    if script not in _ENTRIES:
+      import importlib
+      name = os.path.splitext(script)[0]
+      assert name not in sys.modules, f"{script} was imported outside tests/conftest.run_entry: its flags are taken"
+      module = importlib.import_module(name)
+      _ENTRIES[script] = (module, {n: fv[n] for n in fv if n not in absl_own})
+    else:
+      for name, flag in _ENTRIES[script][1].items():
+        fv[name] = flag
+    yield _ENTRIES[script][0]
+  finally:
+    for name in [n for n in fv if n not in absl_own]:
+      delattr(fv, name)
+    for name, flag in aside.items():
+      fv[name] = flag
+
+
+def run_entry(script: str, args) -> subprocess.CompletedProcess:
+  """`python SCRIPT ARGS` in this process, up to its exit: returns its exit code (0 when main returns), stdout and
+  stderr. For runs that stop before building data or compiling (the error paths)."""
+  import io
+  from absl import flags
+  from hnclip_jax import storage
+  out, err, code = io.StringIO(), io.StringIO(), 0
+  argv, saved_argv = [script, *map(str, args)], sys.argv
+  sys.argv = argv  # ml_collections reads the --config.* overrides from sys.argv
+  with _entry_flags(script) as module, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    flags.FLAGS.unparse_flags()
+    try:
+      module.main(module.parse_flags(argv))
+    except SystemExit as e:
+      code = e.code if isinstance(e.code, int) else 1
+    finally:
+      sys.argv = saved_argv
+      storage.stop_debug_log()
+  return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())

@@ -1,6 +1,10 @@
-"""Run as a script with 8 fake CPU devices (tests/test_sharding.py does); prints one JSON line of measurements."""
+"""Run as a script with 8 fake CPU devices (tests/test_sharding.py does): `python tests/sharded_checks.py SECTION...`
+prints one JSON line of the named sections' measurements (all of them without arguments). Sections are independent
+(each its own random data), so the test suite spreads them over its workers."""
 import json
+import os
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -59,197 +63,232 @@ def grads_on(shape, accum=1, negatives="global_batch", chunk=0, gamma=0.5, token
   return float(loss), jax.device_get(grads), psh
 
 
-ref_loss, ref_grads, _ = grads_on((1, 1, 1))
-out["layouts"] = {}
-for shape in LAYOUTS:
-  loss, grads, psh = grads_on(shape)
-  out["layouts"][str(shape)] = {"loss_rel": abs(loss - ref_loss) / ref_loss, "grad_rel": max_rel(grads, ref_grads)}
-  if shape == (2, 2, 2):
-    blk = psh["text"]["blocks"][0]
-    out["specs"] = {"q_kernel": str(blk["attn"]["q"]["kernel"].spec), "out_kernel": str(blk["attn"]["out"]["kernel"].spec),
-                    "fc1_kernel": str(blk["fc1"]["kernel"].spec), "fc2_kernel": str(blk["fc2"]["kernel"].spec),
-                    "ln1_scale": str(blk["ln1"]["scale"].spec), "token_embedding": str(psh["token_embedding"]["embedding"].spec),
-                    "logit_scale": str(psh["logit_scale"].spec)}
+def rel(loss, grads, ref):
+  return {"loss_rel": abs(loss - ref[0]) / ref[0], "grad_rel": max_rel(grads, ref[1])}
 
-# The full objective with the token term (λ = 1): every layout, accumulation and chunking equal one device.
-tok_loss, tok_grads, _ = grads_on((1, 1, 1), token_weight=1.0)
-out["token_term_differs"] = abs(tok_loss - ref_loss) / ref_loss
-out["token_layouts"] = {}
-for shape in LAYOUTS:
-  loss, grads, _ = grads_on(shape, token_weight=1.0)
-  out["token_layouts"][str(shape)] = {"loss_rel": abs(loss - tok_loss) / tok_loss, "grad_rel": max_rel(grads, tok_grads)}
-for name, kw in (("accum x2 (2, 2, 2)", dict(shape=(2, 2, 2), accum=2)), ("chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1))):
-  loss, grads, _ = grads_on(token_weight=1.0, **kw)
-  out["token_layouts"][name] = {"loss_rel": abs(loss - tok_loss) / tok_loss, "grad_rel": max_rel(grads, tok_grads)}
 
-# LoRA / DoRA adapters (random, so every adapter leaf has a gradient): every layout, the token term and
-# accumulation equal one device, and the adapter leaves are split like the kernels they adapt.
-import dataclasses  # noqa: E402
-from hnclip_jax.models import abstract_model, adapters  # noqa: E402
-out["adapters"] = {}
-for method in ("lora", "dora"):
-  acfg = dataclasses.replace(CFG, adapter=method, adapter_rank=4, adapter_alpha=8.0)
-  aparams = adapters.add_adapters(params, acfg, 0)
-  key = jax.random.key(5)
-  aparams = jax.tree_util.tree_map_with_path(
-      lambda p, x: x + 0.2 * jax.random.normal(jax.random.fold_in(key, len(adapters.path_of(p))), x.shape)
-      if adapters.is_adapter(adapters.path_of(p)) else x, aparams)
-  amodel = (abstract_model(acfg)[0], aparams)
-  a_loss, a_grads, _ = grads_on((1, 1, 1), token_weight=1.0, model=amodel)
-  # DoRA has every adapter leaf (lora_a, lora_b, magnitude) and the column norms: all five layouts and
-  # accumulation; LoRA (the same lora_a / lora_b rules) on the layout that splits over all three axes.
-  runs = [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2})] if method == "dora" else [((2, 2, 2), {})]
-  for shape, kw in runs:
-    loss, grads, psh = grads_on(shape, token_weight=1.0, model=amodel, **kw)
-    out["adapters"][f"{method} {shape}{' accum x2' if kw else ''}"] = {
-        "loss_rel": abs(loss - a_loss) / a_loss, "grad_rel": max_rel(grads, a_grads)}
+def core():
+  """L_HN on every layout, parameter and optimizer-state specs, accumulation (global and micro-batch negatives),
+  row chunks."""
+  ref_loss, ref_grads, _ = ref = grads_on((1, 1, 1))
+  out["layouts"] = {}
+  for shape in LAYOUTS:
+    loss, grads, psh = grads_on(shape)
+    out["layouts"][str(shape)] = rel(loss, grads, ref)
+    if shape == (2, 2, 2):
+      blk = psh["text"]["blocks"][0]
+      out["specs"] = {"q_kernel": str(blk["attn"]["q"]["kernel"].spec),
+                      "out_kernel": str(blk["attn"]["out"]["kernel"].spec),
+                      "fc1_kernel": str(blk["fc1"]["kernel"].spec), "fc2_kernel": str(blk["fc2"]["kernel"].spec),
+                      "ln1_scale": str(blk["ln1"]["scale"].spec),
+                      "token_embedding": str(psh["token_embedding"]["embedding"].spec),
+                      "logit_scale": str(psh["logit_scale"].spec)}
+
+  # Optimizer state follows the parameters.
+  mesh = mesh_of((2, 2, 2))
+  tx = train_step.make_optimizer(ml_collections.ConfigDict(dict(lr=1e-3, weight_decay=0.1, warmup_steps=1, b1=0.9,
+                                                                b2=0.98, eps=1e-6, grad_clip_norm=1.0)), 10)
+  abstract_state = jax.eval_shape(lambda p: train_step.init_state(p, tx), PARAMS)
+  ssh = sharding.state_shardings(abstract_state, "params", mesh, RULES)
+  mu = ssh["opt_state"][1][0].mu
+  out["opt_mu_q_kernel"] = str(mu["vision"]["blocks"][0]["attn"]["q"]["kernel"].spec)
+  out["opt_count"] = str(ssh["opt_state"][1][0].count.spec)
+
+  # Gradient accumulation.
+  out["accum"] = {}
+  for shape, a in [((8, 1, 1), 2), ((2, 2, 2), 2), ((2, 2, 2), 4)]:
+    loss, grads, _ = grads_on(shape, accum=a, negatives="global_batch")
+    out["accum"][f"global_batch x{a} {shape}"] = rel(loss, grads, ref)
+  loss_mb, _, _ = grads_on((4, 1, 1), accum=2, negatives="micro_batch")
+  # Reference for micro-batch negatives: micro-batch k holds rows k, k+2, ...; the loss is the mean over them.
+  from hnclip_jax.models import bind
+  m = bind(GRAPHDEF, PARAMS)
+  img, txt = np.asarray(m.encode_image(batch["image"])), np.asarray(m.encode_text(batch["tokens"]))
+  ref_mb = np.mean([float(losses.hn_clip_loss(img[k::2], txt[k::2], m.scale(), 0.5)) for k in range(2)])
+  out["micro_batch_loss_rel"] = abs(loss_mb - ref_mb) / ref_mb
+  out["micro_batch_differs_from_global"] = abs(loss_mb - ref_loss) / ref_loss
+
+  # Row-chunked loss.
+  loss_c, grads_c, _ = grads_on((4, 1, 1), chunk=2)
+  out["chunked"] = rel(loss_c, grads_c, ref)
+
+
+def token():
+  """The full objective with the token term (λ = 1): every layout, accumulation and chunking equal one device."""
+  ref_loss = grads_on((1, 1, 1))[0]
+  ref = grads_on((1, 1, 1), token_weight=1.0)
+  out["token_term_differs"] = abs(ref[0] - ref_loss) / ref_loss
+  out["token_layouts"] = {}
+  for shape in LAYOUTS:
+    loss, grads, _ = grads_on(shape, token_weight=1.0)
+    out["token_layouts"][str(shape)] = rel(loss, grads, ref)
+  for name, kw in (("accum x2 (2, 2, 2)", dict(shape=(2, 2, 2), accum=2)),
+                   ("chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1))):
+    loss, grads, _ = grads_on(token_weight=1.0, **kw)
+    out["token_layouts"][name] = rel(loss, grads, ref)
+
+
+def adapters_():
+  """LoRA / DoRA adapters (random, so every adapter leaf has a gradient): every layout, the token term and
+  accumulation equal one device, and the adapter leaves are split like the kernels they adapt."""
+  import dataclasses
+  from hnclip_jax.models import abstract_model, adapters
+  out["adapters"] = {}
+  for method in ("lora", "dora"):
+    acfg = dataclasses.replace(CFG, adapter=method, adapter_rank=4, adapter_alpha=8.0)
+    aparams = adapters.add_adapters(PARAMS, acfg, 0)
+    key = jax.random.key(5)
+    aparams = jax.tree_util.tree_map_with_path(
+        lambda p, x: x + 0.2 * jax.random.normal(jax.random.fold_in(key, len(adapters.path_of(p))), x.shape)
+        if adapters.is_adapter(adapters.path_of(p)) else x, aparams)
+    amodel = (abstract_model(acfg)[0], aparams)
+    ref = grads_on((1, 1, 1), token_weight=1.0, model=amodel)
+    # DoRA has every adapter leaf (lora_a, lora_b, magnitude) and the column norms: all five layouts and
+    # accumulation; LoRA (the same lora_a / lora_b rules) on the layout that splits over all three axes.
+    runs = [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2})] if method == "dora" else [((2, 2, 2), {})]
+    for shape, kw in runs:
+      loss, grads, psh = grads_on(shape, token_weight=1.0, model=amodel, **kw)
+      out["adapters"][f"{method} {shape}{' accum x2' if kw else ''}"] = rel(loss, grads, ref)
+      if shape == (2, 2, 2) and not kw:
+        q = psh["text"]["blocks"][0]["attn"]["q"]
+        fc2 = psh["text"]["blocks"][0]["fc2"]
+        out["adapters"][f"{method} specs"] = {"q_lora_a": str(q["lora"]["lora_a"].spec),
+                                               "q_lora_b": str(q["lora"]["lora_b"].spec),
+                                               "fc2_lora_a": str(fc2["lora"]["lora_a"].spec)}
+
+
+VARIANTS = [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2}), ((4, 1, 1), {"chunk": 1})]
+
+
+def finelip():
+  """FineLIP: L_HN + the late-interaction hinge on aggregated tokens (with γ·Ḡ on its negatives too): every layout,
+  accumulation over the global batch and chunking equal one device."""
+  import dataclasses
+  fmodel = init_params(dataclasses.replace(CFG, aggregate_tokens=3), 0)
+  fine = dict(finelip_weight=1.0, finelip_hn_margin=True, model=fmodel)
+  ref = grads_on((1, 1, 1), **fine)
+  out["finelip_layouts"] = {}
+  for shape, kw in VARIANTS:
+    loss, grads, psh = grads_on(shape, **kw, **fine)
+    out["finelip_layouts"][f"{shape} {kw}"] = {
+        **rel(loss, grads, ref), "aggregator_grad": float(np.abs(grads["image_aggregator"]["fc1"]["kernel"]).max())}
     if shape == (2, 2, 2) and not kw:
-      q = psh["text"]["blocks"][0]["attn"]["q"]
-      fc2 = psh["text"]["blocks"][0]["fc2"]
-      out["adapters"][f"{method} specs"] = {"q_lora_a": str(q["lora"]["lora_a"].spec),
-                                             "q_lora_b": str(q["lora"]["lora_b"].spec),
-                                             "fc2_lora_a": str(fc2["lora"]["lora_a"].spec)}
+      out["finelip_layouts"]["aggregator spec"] = str(psh["text_aggregator"]["fc1"]["kernel"].spec)
+  out["finelip_differs"] = abs(ref[0] - grads_on((1, 1, 1), model=fmodel)[0]) / ref[0]
 
-# FineLIP (config.framework="finelip"): L_HN + the late-interaction hinge on aggregated tokens (with γ·Ḡ on its
-# negatives too): every layout, accumulation over the global batch and chunking equal one device.
-fcfg = dataclasses.replace(CFG, aggregate_tokens=3)
-fmodel = init_params(fcfg, 0)
-fine = dict(finelip_weight=1.0, finelip_hn_margin=True, model=fmodel)
-f_loss, f_grads, _ = grads_on((1, 1, 1), **fine)
-out["finelip_layouts"] = {}
-for shape, kw in [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2}), ((4, 1, 1), {"chunk": 1})]:
-  loss, grads, psh = grads_on(shape, **kw, **fine)
-  out["finelip_layouts"][f"{shape} {kw}"] = {"loss_rel": abs(loss - f_loss) / f_loss, "grad_rel": max_rel(grads, f_grads),
-                                             "aggregator_grad": float(np.abs(grads["image_aggregator"]["fc1"]["kernel"]).max())}
-  if shape == (2, 2, 2) and not kw:
-    out["finelip_layouts"]["aggregator spec"] = str(psh["text_aggregator"]["fc1"]["kernel"].spec)
-out["finelip_differs"] = abs(f_loss - grads_on((1, 1, 1), model=fmodel)[0]) / f_loss
 
-# GOAL (config.framework="goal"): L_HN + segment InfoNCE (with γ·Ḡ of the sentences) + the patch and span
-# alignments, on a batch where some examples have no segment, some boxes cover no patch and some sentences are not
-# in their caption: every layout, accumulation over the global batch and 1-row chunks equal one device.
-goal_batch = dict(batch)
-goal_batch["seg_image"] = rng.normal(size=(B, 16, 16, 3)).astype(np.float32)
-seg_tok = np.roll(tokens, 3, axis=0)
-goal_batch["seg_tokens"] = seg_tok.astype(np.int32)
-patches = (rng.random((B, 4)) < 0.5).astype(np.float32)
-patches[1] = 0.0  # a box the crop cut away
-goal_batch["seg_patches"] = patches
-span = ((np.arange(8)[None] >= 1) & (np.arange(8)[None] < lengths[:, None] - 1) & (rng.random((B, 8)) < 0.7))
-span[2] = False  # a sentence not found in its caption
-goal_batch["seg_span"] = span.astype(np.float32)
-goal_batch["seg_valid"] = np.arange(B) % 5 != 4  # rows 4, 9, 14: no segment
-goal = dict(goal_segment_weight=0.5, goal_patch_weight=1.0, goal_text_weight=1.0, goal_segment_margin=True,
-            data=goal_batch)
-g_loss, g_grads, _ = grads_on((1, 1, 1), **goal)
-out["goal_layouts"] = {}
-for shape, kw in [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2}), ((4, 1, 1), {"chunk": 1})]:
-  loss, grads, _ = grads_on(shape, **kw, **goal)
-  out["goal_layouts"][f"{shape} {kw}"] = {"loss_rel": abs(loss - g_loss) / g_loss, "grad_rel": max_rel(grads, g_grads)}
-out["goal_differs"] = abs(g_loss - grads_on((1, 1, 1), data=goal_batch)[0]) / g_loss
+def goal():
+  """GOAL: L_HN + segment InfoNCE (with γ·Ḡ of the sentences) + the patch and span alignments, on a batch where
+  some examples have no segment, some boxes cover no patch and some sentences are not in their caption."""
+  r = np.random.default_rng(1)
+  goal_batch = dict(batch)
+  goal_batch["seg_image"] = r.normal(size=(B, 16, 16, 3)).astype(np.float32)
+  goal_batch["seg_tokens"] = np.roll(tokens, 3, axis=0).astype(np.int32)
+  patches = (r.random((B, 4)) < 0.5).astype(np.float32)
+  patches[1] = 0.0  # a box the crop cut away
+  goal_batch["seg_patches"] = patches
+  span = ((np.arange(8)[None] >= 1) & (np.arange(8)[None] < lengths[:, None] - 1) & (r.random((B, 8)) < 0.7))
+  span[2] = False  # a sentence not found in its caption
+  goal_batch["seg_span"] = span.astype(np.float32)
+  goal_batch["seg_valid"] = np.arange(B) % 5 != 4  # rows 4, 9, 14: no segment
+  terms = dict(goal_segment_weight=0.5, goal_patch_weight=1.0, goal_text_weight=1.0, goal_segment_margin=True,
+               data=goal_batch)
+  ref = grads_on((1, 1, 1), **terms)
+  out["goal_layouts"] = {}
+  for shape, kw in VARIANTS:
+    loss, grads, _ = grads_on(shape, **kw, **terms)
+    out["goal_layouts"][f"{shape} {kw}"] = rel(loss, grads, ref)
+  out["goal_differs"] = abs(ref[0] - grads_on((1, 1, 1), data=goal_batch)[0]) / ref[0]
 
-# StructXLIP (config.framework="structxlip"): L_HN + structure InfoNCE (γ·Ḡ of the structure captions) + RGB-edge
-# consistency + the local chunk-vs-crop term, with rows lacking crops or chunks: every layout, accumulation, chunks.
-K, C = 2, 3
-sx_batch = dict(batch)
-sx_batch["sx_edge"] = rng.normal(size=(B, 16, 16, 3)).astype(np.float32)
-sx_batch["sx_crop_edges"] = rng.normal(size=(B, K, 16, 16, 3)).astype(np.float32)
-crop_valid = rng.random((B, K)) < 0.7
-crop_valid[5] = False
-sx_batch["sx_crop_valid"] = crop_valid
-sx_batch["sx_tokens"] = np.roll(tokens, 5, axis=0).astype(np.int32)
-chunks = np.zeros((B, C, 8), np.float32)
-for i in range(B):
-  for c in range(C):
-    if (i + c) % 4:
-      chunks[i, c, 1 + c:3 + c] = 1
-sx_batch["sx_chunks"] = chunks
-sx = dict(sx_structure_weight=0.5, sx_consistency_weight=0.3, sx_local_weight=0.4, sx_structure_margin=True,
-          data=sx_batch)
-x_loss, x_grads, _ = grads_on((1, 1, 1), **sx)
-out["structxlip_layouts"] = {}
-for shape, kw in [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2}), ((4, 1, 1), {"chunk": 1})]:
-  loss, grads, _ = grads_on(shape, **kw, **sx)
-  out["structxlip_layouts"][f"{shape} {kw}"] = {"loss_rel": abs(loss - x_loss) / x_loss,
-                                                "grad_rel": max_rel(grads, x_grads)}
-out["structxlip_differs"] = abs(x_loss - grads_on((1, 1, 1), data=sx_batch)[0]) / x_loss
 
-# Optimizer state follows the parameters.
-mesh = mesh_of((2, 2, 2))
-tx = train_step.make_optimizer(ml_collections.ConfigDict(dict(lr=1e-3, weight_decay=0.1, warmup_steps=1, b1=0.9, b2=0.98,
-                                                              eps=1e-6, grad_clip_norm=1.0)), 10)
-abstract_state = jax.eval_shape(lambda p: train_step.init_state(p, tx), params)
-ssh = sharding.state_shardings(abstract_state, "params", mesh, RULES)
-mu = ssh["opt_state"][1][0].mu
-out["opt_mu_q_kernel"] = str(mu["vision"]["blocks"][0]["attn"]["q"]["kernel"].spec)
-out["opt_count"] = str(ssh["opt_state"][1][0].count.spec)
+def structxlip():
+  """StructXLIP: L_HN + structure InfoNCE (γ·Ḡ of the structure captions) + RGB-edge consistency + the local
+  chunk-vs-crop term, with rows lacking crops or chunks."""
+  r = np.random.default_rng(2)
+  K, C = 2, 3
+  sx_batch = dict(batch)
+  sx_batch["sx_edge"] = r.normal(size=(B, 16, 16, 3)).astype(np.float32)
+  sx_batch["sx_crop_edges"] = r.normal(size=(B, K, 16, 16, 3)).astype(np.float32)
+  crop_valid = r.random((B, K)) < 0.7
+  crop_valid[5] = False
+  sx_batch["sx_crop_valid"] = crop_valid
+  sx_batch["sx_tokens"] = np.roll(tokens, 5, axis=0).astype(np.int32)
+  chunks = np.zeros((B, C, 8), np.float32)
+  for i in range(B):
+    for c in range(C):
+      if (i + c) % 4:
+        chunks[i, c, 1 + c:3 + c] = 1
+  sx_batch["sx_chunks"] = chunks
+  terms = dict(sx_structure_weight=0.5, sx_consistency_weight=0.3, sx_local_weight=0.4, sx_structure_margin=True,
+               data=sx_batch)
+  ref = grads_on((1, 1, 1), **terms)
+  out["structxlip_layouts"] = {}
+  for shape, kw in VARIANTS:
+    loss, grads, _ = grads_on(shape, **kw, **terms)
+    out["structxlip_layouts"][f"{shape} {kw}"] = rel(loss, grads, ref)
+  out["structxlip_differs"] = abs(ref[0] - grads_on((1, 1, 1), data=sx_batch)[0]) / ref[0]
 
-# Gradient accumulation.
-out["accum"] = {}
-for shape, a in [((8, 1, 1), 2), ((2, 2, 2), 2), ((2, 2, 2), 4)]:
-  loss, grads, _ = grads_on(shape, accum=a, negatives="global_batch")
-  out["accum"][f"global_batch x{a} {shape}"] = {"loss_rel": abs(loss - ref_loss) / ref_loss,
-                                                "grad_rel": max_rel(grads, ref_grads)}
-loss_mb, _, _ = grads_on((4, 1, 1), accum=2, negatives="micro_batch")
-# Reference for micro-batch negatives: micro-batch k holds rows k, k+2, ...; the loss is the mean over micro-batches.
-from hnclip_jax.models import bind
-m = bind(graphdef, params)
-img, txt = np.asarray(m.encode_image(batch["image"])), np.asarray(m.encode_text(batch["tokens"]))
-ref_mb = np.mean([float(losses.hn_clip_loss(img[k::2], txt[k::2], m.scale(), 0.5)) for k in range(2)])
-out["micro_batch_loss_rel"] = abs(loss_mb - ref_mb) / ref_mb
-out["micro_batch_differs_from_global"] = abs(loss_mb - ref_loss) / ref_loss
 
-# Row-chunked loss.
-loss_c, grads_c, _ = grads_on((4, 1, 1), chunk=2)
-out["chunked"] = {"loss_rel": abs(loss_c - ref_loss) / ref_loss, "grad_rel": max_rel(grads_c, ref_grads)}
+def _buffer_sizes(hlo: str) -> list[int]:
+  return [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"[fs]\d+\[([\d,]*)\]", hlo)]
 
-# Memory: compiled sharded loss (value and grad) on 8 devices.
-mesh = mesh_of((8, 1, 1))
-sh = NamedSharding(mesh, P(sharding.BATCH_AXES))
-out["memory"] = {}
-for chunk in (0, 32):
-  for gb in (1024, 2048, 4096):
-    x = jax.ShapeDtypeStruct((gb, 64), jnp.float32, sharding=sh)
-    f = lambda a, b: Objective(gamma=0.5, chunk_size=chunk)(embedding_outputs(a, b, 30.0), mesh)[0]
-    compiled = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(x, x).compile()
-    hlo = compiled.as_text()
-    shapes = set(re.findall(r"f32\[(\d+),(\d+)\]", hlo))
-    out["memory"][f"{chunk}/{gb}"] = {
-        "temp": compiled.memory_analysis().temp_size_in_bytes,
-        "has_full": (str(gb), str(gb)) in shapes,
-        "has_rows": (str(gb // 8), str(gb)) in shapes or (str(chunk), str(gb)) in shapes}
 
-# The token term's memory: no [B, B, P, L] (nor [n_local, B, P, L]) buffer anywhere in the compiled program.
-TB, TP, TL, TE = 256, 16, 12, 8
-tok = {"img": jax.ShapeDtypeStruct((TB, TE), jnp.float32, sharding=sh),
-       "txt": jax.ShapeDtypeStruct((TB, TE), jnp.float32, sharding=sh),
-       "img_tokens": jax.ShapeDtypeStruct((TB, TP, TE), jnp.float32, sharding=sh),
-       "txt_tokens": jax.ShapeDtypeStruct((TB, TL, TE), jnp.float32, sharding=sh)}
-mask = jax.ShapeDtypeStruct((TB, TL), jnp.bool_, sharding=sh)
-f = lambda o, m: Objective(gamma=0.5, token_weight=1.0)({**o, "txt_mask": m, "scale": jnp.float32(30.0)}, mesh)[0]
-hlo = jax.jit(jax.value_and_grad(f)).lower(tok, mask).compile().as_text()
-sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"[fs]\d+\[([\d,]*)\]", hlo)]
-out["token_memory"] = {"largest_buffer": max(sizes), "BxBxPxL": TB * TB * TP * TL, "nxBxPxL": TB // 8 * TB * TP * TL,
-                       "block": losses.TOKEN_BLOCK ** 2 * TP * TL}
-# FineLIP's hinge: no [B, B, Ti, Tt] (nor [n_local, B, Ti, Tt]) buffer either.
-FT = 10
-agg = {"img": tok["img"], "txt": tok["txt"], "img_agg": jax.ShapeDtypeStruct((TB, FT, TE), jnp.float32, sharding=sh),
-       "txt_agg": jax.ShapeDtypeStruct((TB, FT, TE), jnp.float32, sharding=sh)}
-f = lambda o: Objective(gamma=0.5, finelip_weight=1.0)({**o, "scale": jnp.float32(30.0)}, mesh)[0]
-hlo = jax.jit(jax.value_and_grad(f)).lower(agg).compile().as_text()
-sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"[fs]\d+\[([\d,]*)\]", hlo)]
-out["finelip_memory"] = {"largest_buffer": max(sizes), "BxBxTxT": TB * TB * FT * FT, "nxBxTxT": TB // 8 * TB * FT * FT,
-                         "block": losses.TOKEN_BLOCK ** 2 * FT * FT}
-# StructXLIP's local term: each device scores its rows' chunks against all crops ([n, C, B·K]); no [B, C, B, K].
-XC, XK = 16, 3
-sxo = {k: tok[k] for k in ("img", "txt")}
-sxo.update({"sx_edge_img": tok["img"], "sx_txt": tok["txt"],
-            "sx_crop_img": jax.ShapeDtypeStruct((TB, XK, TE), jnp.float32, sharding=sh),
-            "sx_chunks": jax.ShapeDtypeStruct((TB, XC, TE), jnp.float32, sharding=sh)})
-sxm = {"sx_crop_valid": jax.ShapeDtypeStruct((TB, XK), jnp.bool_, sharding=sh),
-       "sx_chunk_valid": jax.ShapeDtypeStruct((TB, XC), jnp.bool_, sharding=sh)}
-f = lambda o, m: Objective(gamma=0.5, sx_local_weight=1.0)({**o, **m, "scale": jnp.float32(30.0)}, mesh)[0]
-hlo = jax.jit(jax.value_and_grad(f)).lower(sxo, sxm).compile().as_text()
-sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"[fs]\d+\[([\d,]*)\]", hlo)]
-out["structxlip_memory"] = {"largest_buffer": max(sizes), "rows": TB // 8 * XC * TB * XK, "full": TB * XC * TB * XK}
-print("RESULT " + json.dumps(out))
+def memory():
+  """Compiled programs on 8 devices: no device holds B×B logits, nor the token terms' pairwise tensors."""
+  mesh = mesh_of((8, 1, 1))
+  sh = NamedSharding(mesh, P(sharding.BATCH_AXES))
+  out["memory"] = {}
+  for chunk in (0, 32):
+    for gb in (1024, 2048, 4096):
+      x = jax.ShapeDtypeStruct((gb, 64), jnp.float32, sharding=sh)
+      f = lambda a, b: Objective(gamma=0.5, chunk_size=chunk)(embedding_outputs(a, b, 30.0), mesh)[0]
+      compiled = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(x, x).compile()
+      shapes = set(re.findall(r"f32\[(\d+),(\d+)\]", compiled.as_text()))
+      out["memory"][f"{chunk}/{gb}"] = {
+          "temp": compiled.memory_analysis().temp_size_in_bytes,
+          "has_full": (str(gb), str(gb)) in shapes,
+          "has_rows": (str(gb // 8), str(gb)) in shapes or (str(chunk), str(gb)) in shapes}
+
+  # The token term's memory: no [B, B, P, L] (nor [n_local, B, P, L]) buffer anywhere in the compiled program.
+  TB, TP, TL, TE = 256, 16, 12, 8
+  tok = {"img": jax.ShapeDtypeStruct((TB, TE), jnp.float32, sharding=sh),
+         "txt": jax.ShapeDtypeStruct((TB, TE), jnp.float32, sharding=sh),
+         "img_tokens": jax.ShapeDtypeStruct((TB, TP, TE), jnp.float32, sharding=sh),
+         "txt_tokens": jax.ShapeDtypeStruct((TB, TL, TE), jnp.float32, sharding=sh)}
+  mask = jax.ShapeDtypeStruct((TB, TL), jnp.bool_, sharding=sh)
+  f = lambda o, m: Objective(gamma=0.5, token_weight=1.0)({**o, "txt_mask": m, "scale": jnp.float32(30.0)}, mesh)[0]
+  sizes = _buffer_sizes(jax.jit(jax.value_and_grad(f)).lower(tok, mask).compile().as_text())
+  out["token_memory"] = {"largest_buffer": max(sizes), "BxBxPxL": TB * TB * TP * TL,
+                         "nxBxPxL": TB // 8 * TB * TP * TL, "block": losses.TOKEN_BLOCK ** 2 * TP * TL}
+  # FineLIP's hinge: no [B, B, Ti, Tt] (nor [n_local, B, Ti, Tt]) buffer either.
+  FT = 10
+  agg = {"img": tok["img"], "txt": tok["txt"], "img_agg": jax.ShapeDtypeStruct((TB, FT, TE), jnp.float32, sharding=sh),
+         "txt_agg": jax.ShapeDtypeStruct((TB, FT, TE), jnp.float32, sharding=sh)}
+  f = lambda o: Objective(gamma=0.5, finelip_weight=1.0)({**o, "scale": jnp.float32(30.0)}, mesh)[0]
+  sizes = _buffer_sizes(jax.jit(jax.value_and_grad(f)).lower(agg).compile().as_text())
+  out["finelip_memory"] = {"largest_buffer": max(sizes), "BxBxTxT": TB * TB * FT * FT,
+                           "nxBxTxT": TB // 8 * TB * FT * FT, "block": losses.TOKEN_BLOCK ** 2 * FT * FT}
+  # StructXLIP's local term: each device scores its rows' chunks against all crops ([n, C, B·K]); no [B, C, B, K].
+  XC, XK = 16, 3
+  sxo = {k: tok[k] for k in ("img", "txt")}
+  sxo.update({"sx_edge_img": tok["img"], "sx_txt": tok["txt"],
+              "sx_crop_img": jax.ShapeDtypeStruct((TB, XK, TE), jnp.float32, sharding=sh),
+              "sx_chunks": jax.ShapeDtypeStruct((TB, XC, TE), jnp.float32, sharding=sh)})
+  sxm = {"sx_crop_valid": jax.ShapeDtypeStruct((TB, XK), jnp.bool_, sharding=sh),
+         "sx_chunk_valid": jax.ShapeDtypeStruct((TB, XC), jnp.bool_, sharding=sh)}
+  f = lambda o, m: Objective(gamma=0.5, sx_local_weight=1.0)({**o, **m, "scale": jnp.float32(30.0)}, mesh)[0]
+  sizes = _buffer_sizes(jax.jit(jax.value_and_grad(f)).lower(sxo, sxm).compile().as_text())
+  out["structxlip_memory"] = {"largest_buffer": max(sizes), "rows": TB // 8 * XC * TB * XK,
+                              "full": TB * XC * TB * XK}
+
+
+SECTIONS = {"core": core, "token": token, "adapters": adapters_, "finelip": finelip, "goal": goal,
+            "structxlip": structxlip, "memory": memory}
+
+if __name__ == "__main__":
+  if os.environ.get("HNCLIP_TEST_XLA_CACHE"):  # the test suite's persistent compilation cache (tests/conftest.py)
+    jax.config.update("jax_compilation_cache_dir", os.environ["HNCLIP_TEST_XLA_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  for name in sys.argv[1:] or SECTIONS:
+    SECTIONS[name]()
+  print("RESULT " + json.dumps(out))

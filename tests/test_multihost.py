@@ -23,7 +23,7 @@ def _eval(workdir):
     return json.load(f)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one per test process: the module's tests are spread (conftest.SPLIT)
 def reference(tmp_path_factory, tfds_dir):
   """One process, one device."""
   workdir = str(tmp_path_factory.mktemp("one_device"))

@@ -38,7 +38,7 @@ def steps(workdir):
   return sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one per test process: the module's tests are spread (conftest.SPLIT)
 def reference(tmp_path_factory, tfds_dir):
   workdir = tmp_path_factory.mktemp("reference")
   train(workdir, tfds_dir)

@@ -5,45 +5,65 @@ import ml_collections
 import pytest
 
 from hnclip_jax import sharding
-from conftest import run_py
+from conftest import CACHE, run_py
 
 
-@pytest.fixture(scope="module")
-def checks():
-  proc = run_py(["tests/sharded_checks.py"], devices=8, timeout=1500)  # ~4 min alone, ~10 with other load
-  return json.loads(proc.stdout.split("RESULT ", 1)[1])
+_RESULTS = {}
 
 
-def test_every_layout_matches_one_device(checks):
+def section(name):
+  """The measurements of one section of tests/sharded_checks.py (a fresh 8-device process, run once per test
+  process). Each section's tests form one xdist group, so the sections spread over the suite's workers."""
+  if name not in _RESULTS:
+    proc = run_py(["tests/sharded_checks.py", name], devices=8, timeout=1500, env_extra={"HNCLIP_TEST_XLA_CACHE": CACHE})
+    _RESULTS[name] = json.loads(proc.stdout.split("RESULT ", 1)[1])
+  return _RESULTS[name]
+
+
+def group(name):
+  return pytest.mark.xdist_group(f"sharded_checks.{name}")
+
+
+@group("core")
+def test_every_layout_matches_one_device():
+  checks = section("core")
   assert set(checks["layouts"]) == {"(8, 1, 1)", "(2, 4, 1)", "(1, 8, 1)", "(2, 2, 2)", "(4, 1, 2)"}
   for layout, r in checks["layouts"].items():
     assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (layout, r)
 
 
-def test_token_term_every_layout_matches_one_device(checks):
+@group("token")
+def test_token_term_every_layout_matches_one_device():
+  checks = section("token")
   assert checks["token_term_differs"] > 1e-2  # λ = 1 really adds a term
   assert len(checks["token_layouts"]) == 7
   for layout, r in checks["token_layouts"].items():
     assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (layout, r)
 
 
-def test_token_term_never_materialises_the_pairwise_token_tensor(checks):
+@group("memory")
+def test_token_term_never_materialises_the_pairwise_token_tensor():
+  checks = section("memory")
   m = checks["token_memory"]
   # Blocks of TOKEN_BLOCK rows x TOKEN_BLOCK columns x P x L are the largest thing alive ...
   assert m["largest_buffer"] <= m["block"] < m["nxBxPxL"] < m["BxBxPxL"], m
 
 
-def test_parameters_follow_the_logical_rules(checks):
+@group("core")
+def test_parameters_follow_the_logical_rules():
+  checks = section("core")
   assert checks["specs"] == {"q_kernel": "P('fsdp', 'tensor')", "out_kernel": "P('tensor', 'fsdp')",
                              "fc1_kernel": "P('fsdp', 'tensor')", "fc2_kernel": "P('tensor', 'fsdp')",
                              "ln1_scale": "P(None,)", "token_embedding": "P('tensor', 'fsdp')", "logit_scale": "P()"}
   assert checks["opt_mu_q_kernel"] == "P('fsdp', 'tensor')" and checks["opt_count"] == "P()"
 
 
-def test_adapters_every_layout_matches_one_device(checks):
+@group("adapters")
+def test_adapters_every_layout_matches_one_device():
   """DoRA (every adapter leaf) with the token term on the five layouts and with accumulation, LoRA on (2, 2, 2):
   loss and every gradient (adapters and base) equal one device's; adapter matrices split like the kernels they
   adapt."""
+  checks = section("adapters")
   a = checks["adapters"]
   runs = {k: v for k, v in a.items() if "specs" not in k}
   assert len(runs) == 7 and sum(k.startswith("dora") for k in runs) == 6
@@ -54,10 +74,12 @@ def test_adapters_every_layout_matches_one_device(checks):
                                     "fc2_lora_a": "P('tensor', None)"}
 
 
-def test_finelip_every_layout_matches_one_device(checks):
+@group("finelip")
+def test_finelip_every_layout_matches_one_device():
   """FineLIP (L_HN + the late-interaction hinge on aggregated tokens, γ·Ḡ on its negatives): the five layouts,
   global-batch accumulation and 1-row chunks give one device's loss and gradients; the aggregators (replicated)
   get a gradient."""
+  checks = section("finelip")
   f = checks["finelip_layouts"]
   runs = {k: v for k, v in f.items() if k != "aggregator spec"}
   assert checks["finelip_differs"] > 1e-2 and len(runs) == 7
@@ -66,37 +88,47 @@ def test_finelip_every_layout_matches_one_device(checks):
   assert f["aggregator spec"] == "P(None, None)"
 
 
-def test_finelip_hinge_never_materialises_the_pairwise_token_tensor(checks):
+@group("memory")
+def test_finelip_hinge_never_materialises_the_pairwise_token_tensor():
+  checks = section("memory")
   m = checks["finelip_memory"]
   assert m["largest_buffer"] <= m["block"] < m["nxBxTxT"] < m["BxBxTxT"], m
 
 
-def test_goal_every_layout_matches_one_device(checks):
+@group("goal")
+def test_goal_every_layout_matches_one_device():
   """GOAL (L_HN + segment InfoNCE with γ·Ḡ of the sentences + patch and span alignments; rows without a segment,
   a box covering no patch, a sentence not in its caption): the five layouts, global-batch accumulation and 1-row
   chunks give one device's loss and gradients."""
+  checks = section("goal")
   g = checks["goal_layouts"]
   assert checks["goal_differs"] > 1e-2 and len(g) == 7
   for name, r in g.items():
     assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (name, r)
 
 
-def test_structxlip_every_layout_matches_one_device(checks):
+@group("structxlip")
+def test_structxlip_every_layout_matches_one_device():
   """StructXLIP (L_HN + structure InfoNCE with γ·Ḡ + consistency + the local chunk-vs-crop term; rows without
   crops or chunks): the five layouts, global-batch accumulation and 1-row chunks give one device's loss and
   gradients."""
+  checks = section("structxlip")
   x = checks["structxlip_layouts"]
   assert checks["structxlip_differs"] > 1e-2 and len(x) == 7
   for name, r in x.items():
     assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (name, r)
 
 
-def test_structxlip_local_term_stays_per_row(checks):
+@group("memory")
+def test_structxlip_local_term_stays_per_row():
+  checks = section("memory")
   m = checks["structxlip_memory"]
   assert m["largest_buffer"] <= m["rows"] < m["full"], m
 
 
-def test_gradient_accumulation(checks):
+@group("core")
+def test_gradient_accumulation():
+  checks = section("core")
   assert len(checks["accum"]) == 3
   for name, r in checks["accum"].items():  # global-batch negatives: identical to no accumulation
     assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (name, r)
@@ -104,11 +136,15 @@ def test_gradient_accumulation(checks):
   assert checks["micro_batch_differs_from_global"] > 1e-3
 
 
-def test_chunked_loss_matches(checks):
+@group("core")
+def test_chunked_loss_matches():
+  checks = section("core")
   assert checks["chunked"]["loss_rel"] <= 1e-5 and checks["chunked"]["grad_rel"] <= 1e-5
 
 
-def test_no_device_holds_the_full_logits(checks):
+@group("memory")
+def test_no_device_holds_the_full_logits():
+  checks = section("memory")
   mem = checks["memory"]
   for key, m in mem.items():
     assert not m["has_full"] and m["has_rows"], key

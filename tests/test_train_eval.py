@@ -5,7 +5,10 @@ import shutil
 
 import pytest
 
-from conftest import ARTIFACTS, render, run_py
+from conftest import ARTIFACTS, render, run_entry, run_py
+
+# Config and path errors: their own xdist group (no trained workdir needed), part of the inner loop (-m quick).
+CONFIG_CHECKS = pytest.mark.xdist_group("test_train_eval.config")
 
 CONFIG = "configs/demo.py:test"
 
@@ -136,6 +139,7 @@ def test_full_objective_with_token_term_trains_and_resumes(tmp_path, tfds_dir):
       assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k)
 
 
+@CONFIG_CHECKS
 @pytest.mark.parametrize("override,message", [
     ("--config.loss.gama=0", "error: unknown config key --config.loss.gama; did you mean --config.loss.gamma?"),
     ("--config.batch_sise=8", "error: unknown config key --config.batch_sise; did you mean --config.batch_size?"),
@@ -147,20 +151,37 @@ def test_full_objective_with_token_term_trains_and_resumes(tmp_path, tfds_dir):
     ("--config.mesh.data=3", "multiplies to 3 but there are 1 devices"),
 ])
 def test_bad_config_is_named(tmp_path, override, message):
-  proc = run_py(["train.py", "--config", CONFIG, "--workdir", str(tmp_path / "w"), override], check=False)
+  proc = run_entry("train.py", ["--config", CONFIG, "--workdir", str(tmp_path / "w"), override])
   assert proc.returncode == 2 and message in proc.stderr
   assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@CONFIG_CHECKS
+@pytest.mark.parametrize("script,override,message", [
+    ("train.py", "--config.loss.gama=0", "error: unknown config key --config.loss.gama; did you mean"),
+    ("eval.py", "--config.batch_size=0", "error: config.batch_size=0 must be positive"),
+])
+def test_errors_end_a_fresh_process_with_exit_2_and_one_line(tmp_path, script, override, message):
+  """The exit-code contract in a real `python SCRIPT` (the other error checks run the same parser and main
+  in-process, tests/conftest.run_entry): exit 2, one line on stderr, no traceback, nothing written."""
+  (tmp_path / "w").mkdir()
+  proc = run_py([script, "--config", CONFIG, "--workdir", str(tmp_path / "w"), override], check=False)
+  assert proc.returncode == 2 and proc.stderr.startswith(message), proc.stderr
+  assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+  assert os.listdir(tmp_path / "w") == []
+
+
+@CONFIG_CHECKS
 @pytest.mark.parametrize("config,message", [
     ("configs/dmo.py", "error: cannot load the config file: [Errno 2] No such file or directory: 'configs/dmo.py'"),
     ("configs/demo.py:tst", "configs/demo.py has variants 'default' and 'test', got 'tst'"),
 ])
 def test_bad_config_file_is_one_line(tmp_path, config, message):
-  proc = run_py(["eval.py", "--config", config, "--workdir", str(tmp_path)], check=False)
+  proc = run_entry("eval.py", ["--config", config, "--workdir", str(tmp_path)])
   assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+@CONFIG_CHECKS
 @pytest.mark.parametrize("override,message", [
     ("--config.init_from={tmp}/nope", "config.init_from='{tmp}/nope': {tmp}/nope does not exist"),
     ("--config.init_from={tmp}/weights.safetensors", "is a file but not an OpenAI-format checkpoint"),
@@ -171,29 +192,32 @@ def test_paths_are_checked_before_any_data_is_built(tmp_path, override, message)
   (tmp_path / "weights.safetensors").write_bytes(b"")
   extra = ["--config.data.name=pairs"] if "manual_dir" in override else []
   data_dir = tmp_path / "tfds"
-  proc = run_py(["train.py", "--config", CONFIG, "--workdir", str(tmp_path / "w"), f"--config.data.data_dir={data_dir}",
-                 *extra, override.format(tmp=tmp_path)], check=False)
+  proc = run_entry("train.py", ["--config", CONFIG, "--workdir", str(tmp_path / "w"),
+                                f"--config.data.data_dir={data_dir}", *extra, override.format(tmp=tmp_path)])
   assert proc.returncode == 2 and message.format(tmp=tmp_path) in proc.stderr, proc.stderr
   assert not data_dir.exists()  # nothing was built
   w = tmp_path / "w"  # no model.json, tokenizer, data.json or checkpoints
   assert not w.exists() or sorted(os.listdir(w)) in ([], [".lock"])
 
 
+@CONFIG_CHECKS
 def test_eval_of_a_directory_without_checkpoints_changes_nothing(tmp_path):
   (tmp_path / "notes.txt").write_text("x")
-  proc = run_py(["eval.py", "--config", CONFIG, "--workdir", str(tmp_path)], check=False)
+  proc = run_entry("eval.py", ["--config", CONFIG, "--workdir", str(tmp_path)])
   assert proc.returncode == 2 and f"no checkpoints in {tmp_path}/checkpoints" in proc.stderr
   assert os.listdir(tmp_path) == ["notes.txt"]
 
 
+@CONFIG_CHECKS
 def test_unknown_key_in_config_file(tmp_path):
   cfg = tmp_path / "cfg.py"
   cfg.write_text("from configs.demo import get_config as g\n"
                  "def get_config():\n  c = g('test'); c.unlock(); c.optimizer.learning_rate = 1.0; return c\n")
-  proc = run_py(["train.py", "--config", str(cfg), "--workdir", str(tmp_path / "w")], check=False)
+  proc = run_entry("train.py", ["--config", str(cfg), "--workdir", str(tmp_path / "w")])
   assert proc.returncode == 2 and "unknown config key config.optimizer.learning_rate" in proc.stderr
 
 
+@CONFIG_CHECKS
 def test_batch_not_divisible_by_devices(tmp_path):
   proc = run_py(["train.py", "--config", CONFIG, "--workdir", str(tmp_path), "--config.batch_size=12"],
                 devices=8, check=False)

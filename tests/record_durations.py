@@ -1,0 +1,25 @@
+"""Writes tests/durations.json (test id -> seconds) from a pytest JUnit XML report; tests/conftest.py hands the
+slowest work out first with it. Refresh after adding slow tests:
+
+  python -m pytest -q tests --junitxml=/tmp/junit.xml && python tests/record_durations.py /tmp/junit.xml
+"""
+import json
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+
+def main(path: str) -> None:
+  times = {}
+  for case in ET.parse(path).iter("testcase"):
+    module = case.get("classname").replace(".", "/") + ".py"
+    times[f"{module}::{case.get('name')}"] = round(float(case.get("time")), 1)
+  out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+  with open(out, "w") as f:
+    json.dump(dict(sorted(times.items())), f, indent=0)
+    f.write("\n")
+  print(f"{out}: {len(times)} tests, {sum(times.values()) / 60:.1f} test-minutes")
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])
