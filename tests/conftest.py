@@ -1,6 +1,7 @@
 """Shared test set-up: persistent compilation cache, repo on the path, helpers for subprocess runs."""
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def group_of(item) -> str:
   if marks:
     return marks[0]
   module = item.module.__name__
-  return item.nodeid if module in SPLIT else module
+  return module + "." + re.sub(r"[^\w.-]", "_", item.name) if module in SPLIT else module
 
 
 def pytest_configure(config):
@@ -54,7 +55,7 @@ def pytest_collection_modifyitems(config, items):
   groups, cost = {}, {}
   for item in items:
     g = groups[id(item)] = group_of(item)
-    cost[g] = cost.get(g, 0.0) + seconds.get(item.nodeid.split("@")[0], 0.0)
+    cost[g] = cost.get(g, 0.0) + seconds.get(item.nodeid, 0.0)
     if not any(item.iter_markers("xdist_group")):
       item.add_marker(pytest.mark.xdist_group(g))
     if g in QUICK or item.module.__name__ in QUICK:

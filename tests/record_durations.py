@@ -5,6 +5,7 @@ slowest work out first with it. Refresh after adding slow tests:
 """
 import json
 import os
+import re
 import sys
 import xml.etree.ElementTree as ET
 
@@ -13,7 +14,8 @@ def main(path: str) -> None:
   times = {}
   for case in ET.parse(path).iter("testcase"):
     module = case.get("classname").replace(".", "/") + ".py"
-    times[f"{module}::{case.get('name')}"] = round(float(case.get("time")), 1)
+    name = re.sub(r"@[\w.-]+$", "", case.get("name"))  # the xdist group suffix
+    times[f"{module}::{name}"] = round(float(case.get("time")), 1)
   out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
   with open(out, "w") as f:
     json.dump(dict(sorted(times.items())), f, indent=0)
