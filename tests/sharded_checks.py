@@ -160,6 +160,17 @@ def adapters_():
 VARIANTS = [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2}), ((4, 1, 1), {"chunk": 1})]
 
 
+def every_variant(name, terms):
+  """A framework's terms (and their inputs, terms["data"]) on every layout, with accumulation and 1-row chunks,
+  against one device: out[name_layouts]; out[name_differs]: how much the terms change the loss (L_HN alone)."""
+  ref = grads_on((1, 1, 1), **terms)
+  out[f"{name}_layouts"] = {}
+  for shape, kw in VARIANTS:
+    loss, grads, _ = grads_on(shape, **kw, **terms)
+    out[f"{name}_layouts"][f"{shape} {kw}"] = rel(loss, grads, ref)
+  out[f"{name}_differs"] = abs(ref[0] - grads_on((1, 1, 1), data=terms["data"])[0]) / ref[0]
+
+
 def finelip():
   """FineLIP: L_HN + the late-interaction hinge on aggregated tokens (with γ·Ḡ on its negatives too): every layout,
   accumulation over the global batch and chunking equal one device."""
@@ -191,14 +202,8 @@ def goal():
   span[2] = False  # a sentence not found in its caption
   goal_batch["seg_span"] = span.astype(np.float32)
   goal_batch["seg_valid"] = np.arange(B) % 5 != 4  # rows 4, 9, 14: no segment
-  terms = dict(goal_segment_weight=0.5, goal_patch_weight=1.0, goal_text_weight=1.0, goal_segment_margin=True,
-               data=goal_batch)
-  ref = grads_on((1, 1, 1), **terms)
-  out["goal_layouts"] = {}
-  for shape, kw in VARIANTS:
-    loss, grads, _ = grads_on(shape, **kw, **terms)
-    out["goal_layouts"][f"{shape} {kw}"] = rel(loss, grads, ref)
-  out["goal_differs"] = abs(ref[0] - grads_on((1, 1, 1), data=goal_batch)[0]) / ref[0]
+  every_variant("goal", dict(goal_segment_weight=0.5, goal_patch_weight=1.0, goal_text_weight=1.0,
+                             goal_segment_margin=True, data=goal_batch))
 
 
 def structxlip():
@@ -219,14 +224,8 @@ def structxlip():
       if (i + c) % 4:
         chunks[i, c, 1 + c:3 + c] = 1
   sx_batch["sx_chunks"] = chunks
-  terms = dict(sx_structure_weight=0.5, sx_consistency_weight=0.3, sx_local_weight=0.4, sx_structure_margin=True,
-               data=sx_batch)
-  ref = grads_on((1, 1, 1), **terms)
-  out["structxlip_layouts"] = {}
-  for shape, kw in VARIANTS:
-    loss, grads, _ = grads_on(shape, **kw, **terms)
-    out["structxlip_layouts"][f"{shape} {kw}"] = rel(loss, grads, ref)
-  out["structxlip_differs"] = abs(ref[0] - grads_on((1, 1, 1), data=sx_batch)[0]) / ref[0]
+  every_variant("structxlip", dict(sx_structure_weight=0.5, sx_consistency_weight=0.3, sx_local_weight=0.4,
+                                   sx_structure_margin=True, data=sx_batch))
 
 
 def _buffer_sizes(hlo: str) -> list[int]:
