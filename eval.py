@@ -1,10 +1,16 @@
-"""Evaluate a checkpoint: python eval.py --config configs/demo.py --workdir DIR [--step N] [--split S] [--report OUT].
+"""Evaluate checkpoints: python eval.py --config CONFIG --workdir DIR [--step N] [--split S] [--report OUT]
+                                        [--benchmarks=all|NAME,...] [--watch]
 
 Reads the data the workdir was trained on (DIR/data.json) unless --config.data.* overrides say otherwise, prints
 Recall@1/5/10 (text->image, image->text), writes DIR/eval_results.json (this result) and appends it to
 DIR/eval_history.jsonl (every result, never rewritten). --report OUT also writes OUT/index.html: the recall table
 and, for sampled queries and the failures, the caption, its ground-truth image, the top-k images with their scores
 and the near-twin captions (hnclip_jax/evaluation/report.py).
+
+--benchmarks evaluates on the benchmarks config.eval.benchmarks lists, in one process, and writes the paper's Table 1
+(DIR/eval_table.md and .json; eval_results.json is that table). --watch follows a training run on the same workdir:
+every new checkpoint is evaluated once, TensorBoard scalars go to DIR/tensorboard/eval, the best step's parameters to
+DIR/best (hnclip_jax/evaluation/job.py; docs/evaluation.md).
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ if __name__ == "__main__":  # first, before anything imports JAX: re-exec under 
   from hnclip_jax import hostmem
   hostmem.use_tcmalloc()
 
+import json
 import os
 
 from absl import app, flags
@@ -28,6 +35,19 @@ flags.DEFINE_enum("score", "cosine", ["cosine", "finelip"],
                   "How captions and images are ranked: 'cosine' of the global embeddings (HN-CLIP, every framework), "
                   "or 'finelip': (1 - w)·cosine + w·late interaction of FineLIP's aggregated tokens, "
                   "w = config.finelip.score_weight (a FineLIP-trained workdir only).")
+flags.DEFINE_string("benchmarks", None,
+                    "Evaluate on benchmarks listed in config.eval.benchmarks: 'all' or NAME,NAME,... One process, "
+                    "encoders compiled once; writes Table 1 (WORKDIR/eval_table.md and .json). Default: the run's "
+                    "own data (config.data, the split from --split).")
+flags.DEFINE_bool("watch", False,
+                  "Follow a training run: evaluate each new complete checkpoint once, in step order, write "
+                  "TensorBoard scalars to WORKDIR/tensorboard/eval and keep the best step in WORKDIR/best; ends when "
+                  "the final step is evaluated or after --watch_timeout_s without a new checkpoint.")
+flags.DEFINE_float("watch_poll_s", 10.0, "--watch: seconds between looks at the checkpoint directory.")
+flags.DEFINE_float("watch_timeout_s", 3600.0, "--watch: stop after this many seconds without a new checkpoint.")
+flags.DEFINE_bool("watch_newest_only", False,
+                  "--watch: when several checkpoints wait, evaluate only the newest (the others are skipped and "
+                  "logged).")
 flags.DEFINE_string("report", None, "Also write a browsable HTML report (index.html + images/) into this directory.")
 flags.DEFINE_integer("report_samples", 20, "Text->image queries sampled (seeded by config.seed) for the report.")
 flags.DEFINE_integer("report_failures", 50, "At most this many failed queries (worst first) in the report.")
@@ -40,84 +60,123 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   import jax
-  from hnclip_jax import checkpoint, config as config_lib, experiment, sharding, storage, train_step
-  from hnclip_jax.data import builders, pipeline
+  from hnclip_jax import config as config_lib, experiment, sharding, storage
+  from hnclip_jax.data import builders
+  from hnclip_jax.evaluation import benchmarks as bench_lib, job
   from hnclip_jax.metrics import log, quiet_libraries
-  from hnclip_jax.models import abstract_model
-  from hnclip_jax.workdir import Workdir, check_model_compatible
+  from hnclip_jax.workdir import Workdir
 
   quiet_libraries()
   config = config_lib.validate(FLAGS.config)
   workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ValueError(f"--workdir={workdir} is a file; pass the directory train.py wrote to")
+  if FLAGS.watch and FLAGS.step is None:  # an eval job may start before the training job has set up its workdir
+    job.wait_for_run(workdir, FLAGS.watch_poll_s, FLAGS.watch_timeout_s)
   if not os.path.isdir(workdir):
     raise FileNotFoundError(f"--workdir={workdir} does not exist; pass the directory train.py wrote to")
+  if FLAGS.watch and FLAGS.step is not None:
+    raise ValueError(f"--step={FLAGS.step} and --watch: --watch evaluates every new checkpoint as training writes "
+                     "it; pass one of them")
+  if FLAGS.watch and FLAGS.report:
+    raise ValueError("--report with --watch: the report is for one checkpoint; run eval.py --step=N --report=DIR "
+                     "on the step you want to look at")
+  if FLAGS.benchmarks and FLAGS.split:
+    raise ValueError(f"--split={FLAGS.split} with --benchmarks: each benchmark's split is "
+                     "config.eval.benchmarks.NAME.split (default 'test'); set it there")
   # eval.py records its result in the workdir: find out now, not after the embedding pass
   storage.check_writable(workdir, "the workdir, where eval.py records its result (eval_results.json),")
   storage.start_debug_log(workdir)
   wd = Workdir(workdir)
   steps = wd.checkpoint_steps()
-  if not steps:
+  if not steps and not FLAGS.watch:
     raise FileNotFoundError(f"no checkpoints in {wd.checkpoints}; train first with train.py --workdir {workdir}")
-  step = steps[-1] if FLAGS.step is None else FLAGS.step
-  if step not in steps:
-    raise ValueError(f"--step={step} has no checkpoint in {wd.checkpoints}; available steps: {steps}")
+  step = None
+  if not FLAGS.watch:
+    step = steps[-1] if FLAGS.step is None else FLAGS.step
+    if step not in steps:
+      raise ValueError(f"--step={step} has no checkpoint in {wd.checkpoints}; available steps: {steps}")
   config, data_note = experiment.resolve_data(config, wd, config_flags.get_override_values(FLAGS["config"]),
                                               training=False)
-  builders.check_data_config(config.data)
-  split = FLAGS.split or config.data.eval_split
+  if FLAGS.benchmarks:
+    benchmarks = bench_lib.resolve(config, FLAGS.benchmarks, order=list(FLAGS.config.eval.benchmarks))
+  else:
+    benchmarks = [bench_lib.own_data(config, FLAGS.split or config.data.eval_split)]
+  for b in benchmarks:
+    builders.check_data_config(b.data)
   experiment.enable_compilation_cache(config.compilation_cache_dir)
   experiment.maybe_initialize_distributed()
+  if FLAGS.watch and jax.process_count() > 1:
+    raise ValueError(f"--watch runs as one process ({jax.process_count()} joined): give it its own devices or a CPU "
+                     "host (docs/evaluation.md)")
   mesh = sharding.make_mesh(config.mesh)
   rules = sharding.parse_rules(config.mesh.rules)
-
-  ckpt = wd.checkpointer(read_only=True)
-  model_cfg, tokenizer, _ = experiment.resolve_model(config, wd, training=False)
-  check_model_compatible(ckpt.read_for_eval(step, ckpt.read_meta).get("model"), model_cfg,
-                         f"{ckpt.directory}/{step}")
-  sharding.check_model_fits(model_cfg, mesh, rules)
-  log(f"{data_note}; split '{split}'")
-  source = builders.data_source(config.data, split)
-  graphdef, abstract_params = abstract_model(model_cfg)
-  param_sh = sharding.state_shardings({"params": abstract_params}, "params", mesh, rules)["params"]
-  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, param_sh)
-  params = ckpt.read_for_eval(step, lambda s: ckpt.restore_params(s, target))
-  encoded = builders.data_source(config.data, split, decode_images=False)  # every process (it may sync hosts)
-  captions = pipeline.caption_lists(encoded)
-  img, txt, caption_image = experiment.embed_split(params, train_step.make_embed_fn(graphdef, mesh, param_sh), source,
-                                                   tokenizer, model_cfg, mesh, config.eval_batch_size, captions)
-  res = experiment.retrieval_result(img, txt, caption_image)
+  ev = job.Evaluator(config, wd, benchmarks, FLAGS.score, mesh, rules)
+  if FLAGS.benchmarks:
+    log("benchmarks: " + "; ".join(f"{b.name}: {experiment.describe_data(b.data)}, split '{b.split}'"
+                                   for b in benchmarks))
+  else:
+    log(f"{data_note}; split '{benchmarks[0].split}'")
   if FLAGS.score == "finelip":
-    if not model_cfg.aggregate_tokens:
-      raise ValueError(f"--score=finelip needs FineLIP's token aggregators, but {workdir} was trained without them "
-                       "(config.framework='finelip' adds them); use --score=cosine")
-    from hnclip_jax.evaluation.retrieval import finelip_scores, recall_from_scores
-    agg = train_step.make_aggregated_embed_fn(graphdef, mesh, param_sh, int(config.loss.token_layer))
-    img_agg, txt_agg, _ = experiment.embed_split(params, agg, source, tokenizer, model_cfg, mesh,
-                                                 config.eval_batch_size, captions)
     w = float(config.finelip.score_weight)
-    res.update(recall_from_scores(finelip_scores(img, txt, img_agg, txt_agg, w), caption_image))
     log(f"score: {1 - w:g}·cosine + {w:g}·late interaction of the aggregated tokens (config.finelip.score_weight)")
-  out = {"step": int(step), "dataset": config.data.name, "split": split, "num_pairs": res["num_pairs"],
-         "num_images": res["num_images"], "num_captions": res["num_captions"], "t2i": res["t2i"], "i2t": res["i2t"],
-         "score": FLAGS.score}
-  for d, name in (("t2i", "text->image"), ("i2t", "image->text")):
-    log(f"{name:12s} " + "  ".join(f"{k}={v:6.2f}" for k, v in out[d].items()))
-  wd.record_eval(out, {"data": dict(config.data)})
+  if FLAGS.watch:
+    if FLAGS.benchmarks:  # the metric must exist before the first (long) evaluation
+      bench_lib.metric(bench_lib.table([_placeholder(b) for b in benchmarks]), config.eval.best_metric)
+    log(f"watching {wd.checkpoints} (every {FLAGS.watch_poll_s:g} s; ends after the final step, or "
+        f"{FLAGS.watch_timeout_s:g} s without a new checkpoint); best by {config.eval.best_metric} -> "
+        f"{job.best_dir(workdir)}")
+    summary = job.watch(ev, poll_s=FLAGS.watch_poll_s, timeout_s=FLAGS.watch_timeout_s,
+                        newest_only=FLAGS.watch_newest_only, metric=config.eval.best_metric)
+    best = summary["best"]
+    log(f"evaluated steps {summary['evaluated']}" + (f", skipped {summary['skipped']}" if summary["skipped"] else "")
+        + (f"; best: step {best['step']} ({config.eval.best_metric} {best['value']:.2f}) in {job.best_dir(workdir)}"
+           if best else "") + f"; history: {wd.eval_history}, TensorBoard: {os.path.join(workdir, job.WATCH_TENSORBOARD)}")
+    ev.close()
+    return
+  _meta, params = ev.read(step)
+  rows, embedded = [], []
+  for b in benchmarks:
+    row, emb = ev.evaluate(params, step, b)
+    rows.append(row)
+    embedded.append(emb)
+  job.log_rows(rows, named=bool(FLAGS.benchmarks))
+  if FLAGS.benchmarks:
+    tab = bench_lib.table(rows)
+    for r, b in zip(rows, benchmarks):
+      wd.record_eval(r, {"data": dict(b.data)}, latest=False)
+    md = job.write_table(wd, tab)
+    if jax.process_index() == 0:
+      print(md, flush=True)
+      storage.write_text_atomic(wd.eval_results, json.dumps(tab, indent=2))
+  else:
+    wd.record_eval(rows[0], {"data": dict(benchmarks[0].data)})
   if FLAGS.report and jax.process_index() == 0:
     from hnclip_jax.evaluation.report import write_report
-    page = write_report(
-        os.path.abspath(os.path.expanduser(FLAGS.report)), img=img, txt=txt, caption_image=caption_image,
-        captions=[c for caps in captions for c in caps], image_bytes=lambda row: encoded[row]["image"],
-        recall={"t2i": out["t2i"], "i2t": out["i2t"]}, seed=config.seed, num_samples=FLAGS.report_samples,
-        max_failures=FLAGS.report_failures, twin_threshold=FLAGS.report_twin_threshold,
-        meta={"workdir": workdir, "step": int(step), "data": experiment.describe_data(config.data), "split": split,
-              "images": out["num_images"], "captions": out["num_captions"]})
-    log(f"report: {page}")
-  log(f"step {step}, {experiment.describe_counts(res)} of {experiment.describe_data(config.data)}, split '{split}'; wrote "
-      f"{wd.eval_results} (history: {wd.eval_history})")
-  ckpt.close()
+    for r, b, (img, txt, caption_image) in zip(rows, benchmarks, embedded):
+      _, encoded, captions = ev.data(b)
+      out = os.path.abspath(os.path.expanduser(FLAGS.report))
+      page = write_report(
+          os.path.join(out, b.name) if FLAGS.benchmarks else out, img=img, txt=txt, caption_image=caption_image,
+          captions=[c for caps in captions for c in caps], image_bytes=lambda row, e=encoded: e[row]["image"],
+          recall={"t2i": r["t2i"], "i2t": r["i2t"]}, seed=config.seed, num_samples=FLAGS.report_samples,
+          max_failures=FLAGS.report_failures, twin_threshold=FLAGS.report_twin_threshold,
+          meta={"workdir": workdir, "step": int(step), "data": experiment.describe_data(b.data), "split": b.split,
+                "images": r["num_images"], "captions": r["num_captions"]})
+      log(f"report: {page}")
+  what = (f"{len(rows)} benchmarks; wrote {os.path.join(workdir, job.EVAL_TABLE)}.md/.json and {wd.eval_results}"
+          if FLAGS.benchmarks else
+          f"{experiment.describe_counts(rows[0])} of {experiment.describe_data(benchmarks[0].data)}, split "
+          f"'{benchmarks[0].split}'; wrote {wd.eval_results}")
+  log(f"step {step}, {what} (history: {wd.eval_history})")
+  ev.close()
+
+
+def _placeholder(b) -> dict:
+  """A result row of zeros (to check config.eval.best_metric against the table's names before evaluating)."""
+  zeros = {f"R@{k}": 0.0 for k in (1, 5, 10)}
+  return {"step": 0, "benchmark": b.name, "dataset": b.data.name, "split": b.split, "num_images": 0,
+          "num_captions": 0, "t2i": zeros, "i2t": zeros}
 
 
 if __name__ == "__main__":

@@ -138,6 +138,13 @@ def base_config() -> ml_collections.ConfigDict:
       "manual_dir": "", "on_bad_example": "error",
       # Synthetic data only (captions: "dense" near-duplicate descriptions, or "short" alt-text for pre-training):
       "num_train": 4096, "num_test": 512, "group_size": 4, "image_size": 64, "seed": 0, "captions": "dense"})
+  # eval.py's benchmarks (`eval.py --benchmarks=all` or `=NAME,...`; docs/evaluation.md): NAME -> settings of
+  # config.data for that benchmark (e.g. {"manual_dir": "docci"}; "name" defaults to NAME) plus "split" (default
+  # "test"), in the order the config lists them. The rest of each benchmark's data config is the run's. data_root: the folder relative manual_dirs are
+  # in. best_metric: what `eval.py --watch` keeps the best checkpoint by: "average/R@1" (R@1 averaged over the
+  # benchmarks and both directions, the paper's summary), "average/t2i/R@5", "NAME/i2t/R@10", ...
+  c.eval = ml_collections.ConfigDict({"benchmarks": ml_collections.ConfigDict(sort_keys=False), "data_root": "",
+                                      "best_metric": "average/R@1"})
   # Device mesh: axis sizes; one may be -1 (= all remaining devices). The batch is split over data × fsdp.
   # rules: logical parameter axis -> mesh axis (see hnclip_jax/sharding.py).
   c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1,
@@ -234,6 +241,25 @@ def check_structxlip(sx) -> None:
   structure.filter_caption("x", (sx.remove,) if isinstance(sx.remove, str) else tuple(sx.remove))  # known groups
 
 
+BENCHMARKS_PREFIX = "eval.benchmarks."
+BENCHMARK_KEYS = ("split",)  # besides config.data's keys
+
+
+def check_benchmarks(config) -> None:
+  """Each config.eval.benchmarks entry: a block of config.data keys (+ split); raises naming the bad key."""
+  data_keys = set(base_config().data)
+  for name, entry in config.get("eval", {}).get("benchmarks", {}).items():
+    where = f"config.eval.benchmarks.{name}"
+    if not isinstance(entry, (ml_collections.ConfigDict, dict)):
+      raise ValueError(f"{where}={entry!r}: each benchmark is a block of data settings, e.g. "
+                       f"{{'name': 'docci', 'manual_dir': '/data/docci'}}")
+    for key in entry:
+      if key not in data_keys and key not in BENCHMARK_KEYS:
+        close = difflib.get_close_matches(key, sorted(data_keys) + list(BENCHMARK_KEYS), n=1)
+        raise ValueError(f"unknown key {where}.{key}" + (f"; did you mean {where}.{close[0]}?" if close else "") +
+                         f" (a benchmark takes config.data's keys and 'split')")
+
+
 def adapter_fields(config) -> dict:
   """config.finetune -> the model's adapter fields (CLIPConfig.adapter*); raises naming the bad key."""
   ft = config.finetune
@@ -256,6 +282,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Raises ValueError naming the offending key/value and the fix; returns the config unchanged."""
   known, given = flatten(base_config()), flatten(config)
   for key in sorted(set(given) - set(known)):
+    if key.startswith(BENCHMARKS_PREFIX):
+      continue  # named by the config (checked in check_benchmarks)
     close = difflib.get_close_matches(key, known, n=1)
     hint = f"; did you mean config.{close[0]}?" if close else ""
     raise ValueError(f"unknown config key config.{key}{hint} (see hnclip_jax/config.py for all keys)")
@@ -281,6 +309,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if not config.async_checkpointing and config.checkpoint_overlap_steps != base_config().checkpoint_overlap_steps:
     raise ValueError(f"config.checkpoint_overlap_steps={config.checkpoint_overlap_steps} does not apply: "
                      "config.async_checkpointing=False writes each checkpoint before training goes on. Drop one")
+  check_benchmarks(config)
   axes = [config.mesh[a] for a in ("data", "fsdp", "tensor")]
   if sum(a == -1 for a in axes) > 1 or any(a == 0 or a < -1 for a in axes):
     raise ValueError(f"config.mesh (data, fsdp, tensor) = {tuple(axes)}: sizes must be positive, "

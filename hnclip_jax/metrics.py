@@ -16,10 +16,12 @@ class MetricsWriter:
   StorageError naming the file and the step (the event files' writer thread included: its errors surface at the
   next write instead of hanging the run)."""
 
-  def __init__(self, workdir: str, enabled: bool | None = None):
+  def __init__(self, workdir: str, enabled: bool | None = None, *, jsonl: str | None = "metrics.jsonl",
+               tb_dir: str | None = None):
+    """jsonl: the JSON-lines file in `workdir` (None: TensorBoard only); tb_dir: default WORKDIR/tensorboard."""
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
-    self.path = os.path.join(workdir, "metrics.jsonl")
-    self.tb_dir = os.path.join(workdir, "tensorboard")
+    self.path = os.path.join(workdir, jsonl) if jsonl else None
+    self.tb_dir = tb_dir or os.path.join(workdir, "tensorboard")
     self._tb = None
     if self.enabled:
       # TensorBoard's own event writer (no TensorFlow needed): unlike tensorboardX's, its writer thread hands a
@@ -35,7 +37,7 @@ class MetricsWriter:
     """On resume: drop lines logged after the restored checkpoint, so no step appears twice, and set aside lines a
     cut-off write left (with a warning): they never block a resume. Dropping a tail cuts the file in place (no
     space needed, so this works on the full disk that stopped the run)."""
-    if not self.enabled or not os.path.exists(self.path):
+    if not self.enabled or self.path is None or not os.path.exists(self.path):
       return
     rows, torn = storage.read_jsonl(self.path)
     if torn:
@@ -79,7 +81,8 @@ class MetricsWriter:
     from tensorboard.compat.proto import event_pb2, summary_pb2
     row = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
     try:
-      storage.append_jsonl(self.path, row)
+      if self.path is not None:
+        storage.append_jsonl(self.path, row)
     except OSError as e:
       raise storage.StorageError(f"appending step {step} to {self.path} failed ({storage.describe(e)})") from e
     summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=k.replace("@", ""), simple_value=float(v))

@@ -59,6 +59,21 @@ def append_jsonl(path: str, row: dict) -> None:
     os.close(fd)
 
 
+def write_text_atomic(path: str, text: str) -> None:
+  """A reader sees the old file or the new one, never half of one (a failed write leaves no temp file)."""
+  tmp = f"{path}.tmp{os.getpid()}"
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except OSError:
+    try:
+      os.remove(tmp)
+    except OSError:
+      pass
+    raise
+
+
 def read_jsonl(path: str) -> tuple[list[dict], list[tuple[int, str]]]:
   """-> (rows, torn): every line that is a JSON object, and (line number, text) of those that are not (a line cut
   off by a full disk or a kill). A missing file is empty."""

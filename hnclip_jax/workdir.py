@@ -8,6 +8,10 @@
       checkpoints_damaged/         checkpoints found damaged, set aside for inspection
       metrics.jsonl, tensorboard/  training metrics
       eval_results.json            the latest eval.py result; eval_history.jsonl: every eval.py result, one a line
+                                   (one per benchmark; an eval job's rows say "job": "watch")
+      eval_table.md, .json         the latest Table 1 (eval.py --benchmarks / --watch)
+      best/                        the best step an eval.py --watch job found, as a converted directory + best.json
+      tensorboard/eval/            an eval.py --watch job's scalars
 
     CONVERTED/                     python -m hnclip_jax.pretrained.convert, Pretrained.save
       model.json, params/ (Orbax), tokenizer/
@@ -40,24 +44,14 @@ EVAL_HISTORY = "eval_history.jsonl"
 BOOKKEEPING = ("total_steps", "log_every", "checkpoint_every", "eval_every", "max_to_keep", "eval_batch_size",
                "workers", "compilation_cache_dir", "async_checkpointing", "checkpoint_overlap_steps", "init_from",
                "data.data_dir")
-BOOKKEEPING_PREFIXES = ("diagnostics.",)
+BOOKKEEPING_PREFIXES = ("diagnostics.", "eval.")
 # A data config's identity: every data key except where its build is stored.
 DATA_LOCATION_KEYS = ("data_dir",)
 
 
 def _write_json(path: str, obj) -> None:
   """Atomic: a reader sees the old file or the new one, never half of one (a failed write leaves no temp file)."""
-  tmp = f"{path}.tmp{os.getpid()}"
-  try:
-    with open(tmp, "w") as f:
-      json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
-  except OSError:
-    try:
-      os.remove(tmp)
-    except OSError:
-      pass
-    raise
+  storage.write_text_atomic(path, json.dumps(obj, indent=2))
 
 
 def read_model(directory: str) -> CLIPConfig | None:
@@ -193,14 +187,17 @@ class Workdir:
                                    overlap_steps=overlap_steps, create=not read_only, frozen=frozen)
 
   # ---- eval results ----
-  def record_eval(self, result: dict, details: dict | None = None) -> None:
+  def record_eval(self, result: dict, details: dict | None = None, latest: dict | None | bool = True) -> None:
     """Appends `result` and `details` (e.g. the full data config) to eval_history.jsonl (never rewritten) and
-    makes `result` eval_results.json (the latest)."""
+    makes `latest` (default: `result`; False: none) eval_results.json (the latest)."""
     if jax.process_index() != 0:
       return
     row = {**result, **(details or {}), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    for path, write in ((self.eval_history, lambda: storage.append_jsonl(self.eval_history, row)),
-                        (self.eval_results, lambda: _write_json(self.eval_results, result))):
+    latest = result if latest is True else latest
+    writes = [(self.eval_history, lambda: storage.append_jsonl(self.eval_history, row))]
+    if latest:
+      writes.append((self.eval_results, lambda: _write_json(self.eval_results, latest)))
+    for path, write in writes:
       try:
         write()
       except OSError as e:

@@ -212,8 +212,13 @@ def render(page: str, screenshot: str | None = None, width: int = 1400, height: 
 _ENTRIES: dict = {}  # script -> (module, its flags)
 
 
+OWN_FLAG_MODULES = ("train", "eval", "hnclip_jax", "__main__", "configs")
+
+
 def _own_flags_of_absl(fv) -> set:
-  return {n for n in fv if (fv.find_module_defining_flag(n) or "").startswith("absl.")}
+  """The flags every run keeps: absl's and the libraries' (grain, Orbax, array_record read theirs at run time);
+  the project's own (the entry points', the tools') are set aside."""
+  return {n for n in fv if (fv.find_module_defining_flag(n) or "__main__").split(".")[0] not in OWN_FLAG_MODULES}
 
 
 @contextlib.contextmanager
@@ -233,13 +238,17 @@ def _entry_flags(script: str):
       name = os.path.splitext(script)[0]
       assert name not in sys.modules, f"{script} was imported outside tests/conftest.run_entry: its flags are taken"
       module = importlib.import_module(name)
-      _ENTRIES[script] = (module, {n: fv[n] for n in fv if n not in absl_own})
+      library = _own_flags_of_absl(fv)  # importing it may import libraries that define flags (Orbax): not its own
+      _ENTRIES[script] = (module, {n: fv[n] for n in fv if n not in library})
     else:
       for name, flag in _ENTRIES[script][1].items():
         fv[name] = flag
     yield _ENTRIES[script][0]
   finally:
-    for name in [n for n in fv if n not in absl_own]:
+    # Libraries imported during the run (grain) defined theirs: they stay; the run's --config.* fields go.
+    kept = absl_own | {n for n in _own_flags_of_absl(fv)
+                       if not (fv.find_module_defining_flag(n) or "").startswith("absl.")}
+    for name in [n for n in fv if n not in kept]:
       delattr(fv, name)
     for name, flag in aside.items():
       fv[name] = flag

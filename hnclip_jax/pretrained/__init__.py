@@ -189,10 +189,17 @@ def check_source(path: str, what: str = "path") -> None:
                      "for Hugging Face weights pass their directory")
 
 
-def load(path: str, step: int | None = None) -> Pretrained:
+def load(path: str, step: int | str | None = None) -> Pretrained:
   """Loads CLIP weights from any supported source (see the module docstring); the architecture is inferred.
-  `step`: which checkpoint of a train.py workdir (default: the newest); only for workdirs."""
+  `step`: which checkpoint of a train.py workdir (default: the newest; "best": the best step an `eval.py --watch`
+  job kept in WORKDIR/best); only for workdirs."""
   path = os.path.abspath(os.path.expanduser(path))
+  if step == "best":
+    best = os.path.join(path, "best")
+    if not workdir_format.is_converted(best):
+      raise FileNotFoundError(f"{path} has no best checkpoint ({best} is missing): `eval.py --watch` keeps the best "
+                              "evaluated step there; pass a step number instead, or run it")
+    return _load_converted(best)
   check_source(path)
   if step is not None and not (os.path.isdir(path) and workdir_format.is_workdir(path)):
     raise ValueError(f"step={step} was given, but {path} is not a train.py workdir (only workdirs have steps)")

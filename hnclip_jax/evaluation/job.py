@@ -1,0 +1,323 @@
+"""eval.py's work: checkpoints of a train.py workdir evaluated on one or several benchmarks, and an eval job that
+follows a training run (`eval.py --watch`).
+
+`Evaluator` is set up once per job: the model and tokenizer (the workdir's), the encoders (jitted once; every
+benchmark reuses them, as the batch and image shapes are the same), and each benchmark's data (built once, at its
+first use). `evaluate(step)` reads that checkpoint's parameters and returns one result row per benchmark.
+
+`watch` evaluates each new complete checkpoint once, in step order, while training runs beside it: it reads only
+(never the training job's lock, nothing written under checkpoints/), skips checkpoints that training deletes
+(max_to_keep) before or while they are read, resumes where its history (eval_history.jsonl, rows with
+"job": "watch") says it stopped, keeps the best step's parameters in WORKDIR/best/ (a converted directory that
+`pretrained.load(WORKDIR, step="best")` reads) and ends when the final step (the run's config.total_steps) is
+evaluated or no new checkpoint came for a while.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import jax
+
+from hnclip_jax import experiment, sharding, storage, train_step
+from hnclip_jax.data import builders, pipeline
+from hnclip_jax.evaluation import benchmarks as bench_lib
+from hnclip_jax.metrics import log
+from hnclip_jax.models import abstract_model
+from hnclip_jax.workdir import Workdir, check_model_compatible, write_model, write_tokenizer
+
+BEST = "best"  # WORKDIR/best: the best evaluated step's parameters (model.json, params/, tokenizer/, best.json)
+BEST_JSON = "best.json"
+EVAL_TABLE = "eval_table"  # WORKDIR/eval_table.md and .json: the latest Table 1
+WATCH_TENSORBOARD = os.path.join("tensorboard", "eval")  # beside training's events: a run "eval" in TensorBoard
+
+
+class Gone(Exception):
+  """A checkpoint that disappeared (training's max_to_keep deleted it, or it was set aside) before it was read."""
+
+
+class Evaluator:
+
+  def __init__(self, config, wd: Workdir, benchmarks: list, score: str, mesh, rules):
+    self.config, self.wd, self.benchmarks, self.score, self.mesh = config, wd, benchmarks, score, mesh
+    self.model_cfg, self.tokenizer, _ = experiment.resolve_model(config, wd, training=False)
+    sharding.check_model_fits(self.model_cfg, mesh, rules)
+    graphdef, abstract_params = abstract_model(self.model_cfg)
+    param_sh = sharding.state_shardings({"params": abstract_params}, "params", mesh, rules)["params"]
+    self.target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params,
+                               param_sh)
+    self.encoders = train_step.make_embed_fn(graphdef, mesh, param_sh)
+    self.aggregated = None
+    if score == "finelip":
+      if not self.model_cfg.aggregate_tokens:
+        raise ValueError(f"--score=finelip needs FineLIP's token aggregators, but {wd.path} was trained without "
+                         "them (config.framework='finelip' adds them); use --score=cosine")
+      self.aggregated = train_step.make_aggregated_embed_fn(graphdef, mesh, param_sh, int(config.loss.token_layer))
+    self.ckpt = wd.checkpointer(read_only=True)
+    self._data = {}
+
+  def data(self, b):
+    """(decoded source, undecoded source, caption lists) of a benchmark, built at its first use."""
+    if b.name not in self._data:
+      source = builders.data_source(b.data, b.split)
+      encoded = builders.data_source(b.data, b.split, decode_images=False)  # every process (it may sync hosts)
+      self._data[b.name] = (source, encoded, pipeline.caption_lists(encoded))
+    return self._data[b.name]
+
+  def read(self, step: int):
+    """-> (meta, params) of a checkpoint; CheckpointError naming it when damaged."""
+    meta = self.ckpt.read_for_eval(step, self.ckpt.read_meta)
+    check_model_compatible(meta.get("model"), self.model_cfg, f"{self.ckpt.directory}/{step}")
+    return meta, self.ckpt.read_for_eval(step, lambda s: self.ckpt.restore_params(s, self.target))
+
+  def read_racing(self, step: int, settle_s: float = 1.0):
+    """read(step) while training may delete the step beside us: Gone when it disappears before or while it is
+    read (a deletion in progress leaves a partial directory for a moment: looked at again after settle_s)."""
+    path = os.path.join(self.ckpt.directory, str(step))
+    if not os.path.isdir(path):
+      raise Gone(step)
+    try:
+      return self.read(step)
+    except Exception:  # noqa: BLE001
+      time.sleep(settle_s)
+      if not os.path.isdir(path):
+        raise Gone(step) from None
+      raise
+
+  def evaluate(self, params, step: int, b) -> tuple[dict, tuple]:
+    """One benchmark -> (result row, (img, txt, caption_image) for a report)."""
+    source, _, captions = self.data(b)
+    c = self.config
+    img, txt, caption_image = experiment.embed_split(params, self.encoders, source, self.tokenizer, self.model_cfg,
+                                                     self.mesh, c.eval_batch_size, captions)
+    res = experiment.retrieval_result(img, txt, caption_image)
+    if self.aggregated is not None:
+      from hnclip_jax.evaluation.retrieval import finelip_scores, recall_from_scores
+      img_agg, txt_agg, _ = experiment.embed_split(params, self.aggregated, source, self.tokenizer, self.model_cfg,
+                                                   self.mesh, c.eval_batch_size, captions)
+      res.update(recall_from_scores(finelip_scores(img, txt, img_agg, txt_agg, float(c.finelip.score_weight)),
+                                    caption_image))
+    row = {"step": int(step), "benchmark": b.name, "dataset": b.data.name, "split": b.split,
+           "num_pairs": res["num_pairs"], "num_images": res["num_images"], "num_captions": res["num_captions"],
+           "t2i": res["t2i"], "i2t": res["i2t"], "score": self.score}
+    return row, (img, txt, caption_image)
+
+  def close(self):
+    self.ckpt.close()
+
+
+def data_identity(data) -> dict:
+  """What makes two evaluations comparable: the data config without where its build is stored."""
+  return {k: v for k, v in dict(data).items() if k != "data_dir"}
+
+
+def log_rows(rows: list[dict], named: bool = True) -> None:
+  for r in rows:
+    for d, name in bench_lib.DIRECTIONS:
+      log((f"{r['benchmark']:>12s} " if named else "") + f"{name:12s} " +
+          "  ".join(f"{k}={v:6.2f}" for k, v in r[d].items()))
+
+
+def write_table(wd: Workdir, tab: dict) -> str:
+  """WORKDIR/eval_table.md and .json (the latest table; atomic). Returns the Markdown."""
+  md = bench_lib.markdown(tab)
+  if jax.process_index() == 0:
+    for ext, text in (("md", md), ("json", json.dumps(tab, indent=2))):
+      path = os.path.join(wd.path, f"{EVAL_TABLE}.{ext}")
+      try:
+        storage.write_text_atomic(path, text)
+      except OSError as e:
+        raise storage.StorageError(f"writing {path} failed ({storage.describe(e)}); free space or fix the workdir "
+                                   "and rerun eval.py") from e
+  return md
+
+
+def best_dir(workdir: str) -> str:
+  return os.path.join(workdir, BEST)
+
+
+def read_best(workdir: str) -> dict | None:
+  path = os.path.join(best_dir(workdir), BEST_JSON)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def export_best(wd: Workdir, params, model_cfg, tokenizer, info: dict) -> None:
+  """Writes the parameters to WORKDIR/best (a converted directory + best.json), replacing the previous best only
+  once the new one is complete: a reader sees the old best or the new one."""
+  import orbax.checkpoint as ocp
+  final = best_dir(wd.path)
+  tmp, old = final + ".tmp", final + ".old"
+  shutil.rmtree(tmp, ignore_errors=True)
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(os.path.join(tmp, "params"), params, force=True)
+    write_model(tmp, model_cfg)
+    write_tokenizer(tmp, tokenizer)
+    storage.write_text_atomic(os.path.join(tmp, BEST_JSON), json.dumps(info, indent=2))
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(final):
+      os.replace(final, old)
+    os.replace(tmp, final)
+  except OSError as e:
+    raise storage.StorageError(f"writing the best checkpoint (step {info['step']}) to {final} failed "
+                               f"({storage.describe(e)}); free space or fix the workdir and restart the eval job "
+                               "(it resumes where it stopped)") from e
+  shutil.rmtree(old, ignore_errors=True)
+
+
+def finished_steps(directory: str) -> list[int]:
+  """Steps whose checkpoint is complete: its directory renamed to the step (or committed, on object stores)."""
+  from orbax.checkpoint import step as ocp_step
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return []
+  out = []
+  for d in names:
+    path = os.path.join(directory, d)
+    if d.isdigit() and os.path.isdir(path):
+      try:
+        if ocp_step.is_checkpoint_finalized(path):
+          out.append(int(d))
+      except Exception:  # noqa: BLE001 — deleted while we looked
+        pass
+  return sorted(out)
+
+
+def watched_steps(rows: list[dict], benchmarks: list, score: str) -> set[int]:
+  """Steps the watcher already evaluated on every one of `benchmarks` with this score (its history rows)."""
+  want = {b.name: data_identity(b.data) | {"split": b.split} for b in benchmarks}
+  seen = {}
+  for r in rows:
+    name = r.get("benchmark")
+    if (r.get("job") == "watch" and name in want and r.get("score") == score
+        and data_identity(r.get("data", {})) | {"split": r.get("split")} == want[name]):
+      seen.setdefault(int(r["step"]), set()).add(name)
+  return {s for s, names in seen.items() if names == set(want)}
+
+
+def wait_for_run(workdir: str, poll_s: float, timeout_s: float, clock=time.monotonic, sleep=time.sleep) -> None:
+  """Waits until train.py has set up `workdir` (its model.json, written before the first step); raises after
+  timeout_s."""
+  path, start, said = os.path.join(workdir, "model.json"), clock(), False
+  while not os.path.exists(path):
+    if clock() - start > timeout_s:
+      raise FileNotFoundError(f"no training run appeared in --workdir={workdir} within {timeout_s:g} s "
+                              f"(--watch_timeout_s): {path} is missing. Start train.py with that --workdir, or check "
+                              "the path")
+    if not said:
+      log(f"waiting for train.py to set up {workdir} (its model.json)")
+      said = True
+    sleep(poll_s)
+
+
+def watch(ev: Evaluator, *, poll_s: float, timeout_s: float, newest_only: bool, metric: str,
+          clock=time.monotonic, sleep=time.sleep) -> dict:
+  """Follows the workdir's checkpoints until the final step is evaluated or none came for timeout_s; returns
+  {"evaluated": [steps], "skipped": [steps], "best": {...}}. One process
+  (eval.py refuses --watch on several: their views of a directory that changes under them would differ)."""
+  from hnclip_jax.metrics import MetricsWriter
+  wd = ev.wd
+  rows = wd.eval_records()
+  done = watched_steps(rows, ev.benchmarks, ev.score)
+  names = [b.name for b in ev.benchmarks]
+  best = read_best(wd.path)
+  if best is not None and (best.get("metric"), best.get("benchmarks"), best.get("score")) != (metric, names, ev.score):
+    log(f"{best_dir(wd.path)} holds the best by {best.get('metric')} on {best.get('benchmarks')} ({best.get('score')} "
+        f"score); this job keeps it by {metric} on {names} ({ev.score}): replaced at the first step evaluated")
+    best = None
+  elif best is None and done:
+    prior = [r for r in rows if r.get("job") == "watch" and r["step"] in done and r.get("benchmark") == names[0]
+             and r.get("metric") == metric]
+    if prior:
+      top = max(prior, key=lambda r: (r["metric_value"], -r["step"]))
+      best = {"step": top["step"], "metric": metric, "value": top["metric_value"], "benchmarks": names,
+              "score": ev.score, "exported": False}
+      log(f"{best_dir(wd.path)} is missing; by the history the best so far is step {best['step']} ({metric} "
+          f"{best['value']:.2f}), which is not exported again: the next better step will be")
+  if done:
+    log(f"already evaluated by an earlier watcher (eval_history.jsonl): steps {sorted(done)}")
+  writer = MetricsWriter(wd.path, jsonl=None, tb_dir=os.path.join(wd.path, WATCH_TENSORBOARD))
+  evaluated, skipped = [], []
+  last_new = clock()
+  seen = set(done)
+  try:
+    while True:
+      steps = finished_steps(ev.ckpt.directory)
+      if set(steps) - seen:
+        last_new = clock()
+        seen |= set(steps)
+      todo = [s for s in steps if s not in done]
+      if newest_only and len(todo) > 1:
+        log(f"behind training: skipping steps {todo[:-1]} (--watch_newest_only), evaluating {todo[-1]}")
+        skipped += todo[:-1]
+        done |= set(todo[:-1])
+        todo = todo[-1:]
+      if not todo:
+        if steps and steps[-1] in done and _is_final(ev, steps[-1]):
+          log(f"the final step {steps[-1]} is evaluated; stopping")
+          break
+        if clock() - last_new > timeout_s:
+          log(f"no new checkpoint in {wd.checkpoints} for {timeout_s:g} s (--watch_timeout_s); stopping")
+          break
+        sleep(poll_s)
+        continue
+      step = todo[0]
+      try:
+        meta, params = ev.read_racing(step)
+      except Gone:
+        log(f"step {step}: its checkpoint was deleted by training (max_to_keep) before it was read; skipped")
+        skipped.append(step)
+        done.add(step)
+        continue
+      except Exception as e:  # noqa: BLE001 — a damaged checkpoint does not end the job
+        log(f"WARNING: step {step} skipped: {storage.describe(e)}")
+        skipped.append(step)
+        done.add(step)
+        continue
+      rows = [ev.evaluate(params, step, b)[0] for b in ev.benchmarks]
+      tab = bench_lib.table(rows)
+      value = bench_lib.metric(tab, metric)
+      scalars = {f"benchmarks/{r['benchmark']}/{d}/{k}": v for r in rows for d, _ in bench_lib.DIRECTIONS
+                 for k, v in r[d].items()}
+      scalars.update({f"benchmarks/average/{d}/{k}": v for d in ("t2i", "i2t", "both")
+                      for k, v in tab["average"][d].items()})
+      writer.write(step, scalars)
+      is_best = best is None or value > best["value"]
+      if is_best:
+        best = {"step": step, "metric": metric, "value": value, "benchmarks": names, "score": ev.score,
+                "exported": True, "source": f"{wd.checkpoints}/{step}", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        export_best(wd, params, ev.model_cfg, ev.tokenizer, best)
+      for r in rows:
+        wd.record_eval(r, {"data": dict(next(b.data for b in ev.benchmarks if b.name == r["benchmark"])),
+                           "job": "watch", "metric": metric, "metric_value": value, "best_step": best["step"]},
+                       latest=False)
+      write_table(wd, tab)
+      log_rows(rows)
+      log(f"step {step}: {metric} = {value:.2f}" + (" (best so far: exported to " + best_dir(wd.path) + ")"
+                                                     if is_best else f" (best: step {best['step']}, {best['value']:.2f})"))
+      done.add(step)
+      evaluated.append(step)
+      if _is_final(ev, step, meta) and not [s for s in finished_steps(ev.ckpt.directory) if s > step]:
+        log(f"the final step {step} is evaluated; stopping")  # (a resume may have raised total_steps since)
+        break
+  finally:
+    writer.close(quiet=True)
+  return {"evaluated": evaluated, "skipped": skipped, "best": best}
+
+
+def _is_final(ev: Evaluator, step: int, meta: dict | None = None) -> bool:
+  """Whether `step` is the last step of the run that wrote it (its recorded config.total_steps); False when its
+  metadata cannot be read any more (deleted meanwhile)."""
+  if meta is None:
+    try:
+      meta = ev.ckpt.read_meta(step)
+    except Exception:  # noqa: BLE001
+      return False
+  total = meta.get("config", {}).get("total_steps")
+  return total is not None and int(total) == step
