@@ -64,6 +64,20 @@ def clip_train_flops(cfg, batch: int) -> float:
   return 3 * (batch * (img + txt) + loss)
 
 
+def matmul_flops(compiled) -> float:
+  """Matmul FLOPs of one execution of a compiled program, every loop iteration counted (the HLO walk
+  tools/compile_for uses; `compiled.cost_analysis()` counts a scan or while body once, so a chunked or tiled term,
+  gradient accumulation or the token term's blocks are under-counted by their trip counts)."""
+  from hnclip_jax.tools import compile_for
+  return compile_for.matmul_flops(compiled.as_text())
+
+
+def token_term_forward_flops(batch: int, patches: int, tokens: int, dim: int) -> float:
+  """The token term's forward FLOPs (paper Eq. 3, FILIP): one [P, L] similarity of E-dim features per image-caption
+  pair of the batch, both directions from it: 2·B²·P·L·E."""
+  return 2.0 * batch * batch * patches * tokens * dim
+
+
 def table(rows, cols) -> str:
   out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   for r in rows:

@@ -1,9 +1,10 @@
 """Step time of each fine-tuning framework (config.framework) relative to plain HN-CLIP (framework "longclip", the
 global term only), measured side by side in one process: the programs train.py builds (train_step.build_program),
-timed in alternating order, plus XLA's FLOPs of each compiled step (no timing noise).
+timed in alternating order, plus the matmul FLOPs of each compiled step (no timing noise; every loop iteration
+counted, benchmarks/common.py: matmul_flops).
 
   python benchmarks/frameworks.py [--models tiny,vit_b16] [--batch tiny=128,vit_b16=8] [--reps 5] [--json out.json]
-                                  [--frameworks finelip,goal,structxlip]
+                                  [--frameworks finelip,goal,structxlip] [--flops_only]
 
 Every compared program and its train state stay alive for the alternating timing: at ViT-B/16 batch 8 all four
 need ~23 GB of host memory on CPU; on a smaller host compare fewer at a time (--frameworks goal,structxlip).
@@ -26,7 +27,7 @@ if __name__ == "__main__":  # tcmalloc when installed, like the other step-time 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import alternating_times, dump, random_batch, table  # noqa: E402
+from benchmarks.common import alternating_times, dump, matmul_flops, random_batch, table  # noqa: E402
 from hnclip_jax.models import PRESETS  # noqa: E402
 
 FRAMEWORKS = ("longclip", "finelip", "goal", "structxlip")
@@ -55,6 +56,7 @@ def main():
   ap.add_argument("--frameworks", default=",".join(FRAMEWORKS[1:]),
                   help="compared with plain HN-CLIP (longclip), each side by side in the same run")
   ap.add_argument("--json", default="")
+  ap.add_argument("--flops_only", action="store_true", help="compile and count FLOPs; no timing")
   a = ap.parse_args()
   batches = {k: int(v) for k, v in (kv.split("=") for kv in a.batch.split(","))}
   from hnclip_jax import train_step
@@ -75,8 +77,10 @@ def main():
       data = random_batch(model_cfg, batch, mesh, segments=obj.needs_segments,
                           structure=(int(sx.top_k), int(sx.max_chunks)) if obj.needs_structure else None)
       compiled = program.step.lower(program.target(), data).compile()
-      cost = compiled.cost_analysis()
-      flops[fw] = float((cost[0] if isinstance(cost, list) else cost)["flops"])
+      flops[fw] = matmul_flops(compiled)
+      if a.flops_only:
+        del compiled
+        continue
       state = jax.jit(lambda p, tx=program.tx: train_step.init_state(p, tx),
                       out_shardings=program.shardings)(init_params(model_cfg, 0)[1])
       box = {"state": state}
@@ -86,13 +90,13 @@ def main():
         jax.block_until_ready(m["loss"])
       run()  # warm-up
       steps[fw] = run
-    times = alternating_times(steps, a.reps)
+    times = {fw: [float("nan")] for fw in frameworks} if a.flops_only else alternating_times(steps, a.reps)
     base = np.array(times["longclip"])
     for fw in frameworks:
       t = np.array(times[fw])
       rows.append({"model": name, "batch": batch, "framework": fw, "step (s, median)": float(np.median(t)),
                    "time vs HN-CLIP (median of per-rep ratios)": float(np.median(t / base)),
-                   "XLA FLOPs vs HN-CLIP": flops[fw] / flops["longclip"]})
+                   "matmul TFLOP/step": flops[fw] / 1e12, "matmul FLOPs vs HN-CLIP": flops[fw] / flops["longclip"]})
     print(table([r for r in rows if r["model"] == name], list(rows[0])), flush=True)
   dump(a.json, {"device": f"{jax.device_count()}x {jax.devices()[0].device_kind}", "rows": rows})
 

@@ -1,12 +1,13 @@
 """The objective's costs: the token term's step time, the token term's memory vs the global batch, and the
 HN-vs-InfoNCE gradient comparison's memory next to the train step's.
 
-  python benchmarks/objective.py time [--models tiny,vit_b16] [--batch tiny=128,vit_b16=16] [--reps 5]
+  python benchmarks/objective.py time [--models tiny,vit_b16] [--batch tiny=128,vit_b16=16] [--reps 5] [--flops_only]
   python benchmarks/objective.py memory [--devices 8] [--batches 1024,...,16384] [--chunk 16]   # compile-only
   python benchmarks/objective.py compare_memory [--compare_batch 128] [--accum 8]                         # compile-only
 
 time: the train step with λ = 0 and λ = 1 (both γ = 0.5), compiled in one process and timed alternately; the
-  ratio is the median of per-repetition ratios. memory: per-device temporaries of the objective's value and
+  ratio is the median of per-repetition ratios; the matmul FLOPs of both steps (every loop iteration counted) and
+  the token term's forward FLOPs by its formula 2·B²·P·L·E beside them. memory: per-device temporaries of the objective's value and
   gradient w.r.t. the model outputs at ViT-L/14 token shapes (256 patches, 248 text tokens, E = 768, bf16 tokens),
   from XLA's memory analysis, on --devices fake CPU devices. compare_memory: temporaries of the train step and of
   diagnostics.make_gradient_comparison at the same accumulation.
@@ -26,6 +27,7 @@ p.add_argument("--chunk", type=int, default=16)
 p.add_argument("--accum", type=int, default=8)
 p.add_argument("--compare_batch", type=int, default=128)
 p.add_argument("--json", default="")
+p.add_argument("--flops_only", action="store_true", help="time: compile and count FLOPs; no timing")
 a = p.parse_args()
 if a.part == "memory" and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -41,7 +43,8 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from benchmarks.common import alternating_times, dump, make_step, random_batch, table  # noqa: E402
+from benchmarks.common import (alternating_times, dump, make_step, matmul_flops, random_batch, table,  # noqa: E402
+                               token_term_forward_flops)
 from hnclip_jax import diagnostics, hostmem, sharding, train_step  # noqa: E402
 from hnclip_jax.models import PRESETS, abstract_model, init_params  # noqa: E402
 from hnclip_jax.objective import Objective  # noqa: E402
@@ -59,21 +62,29 @@ def time_token_term():
     cfg = PRESETS[name].__class__(**{**PRESETS[name].__dict__, "vocab_size": 1024, "eot_token_id": 3})
     b = int(batches[name])
     batch = random_batch(cfg, b, mesh)
-    runs = {}
+    runs, flops = {}, {}
     for slot, lam in (("hn", 0.0), ("hn+tok", 1.0)):
       step, tx, sh, _, _ = make_step(cfg, 0.5, mesh, loss_overrides={"token_weight": lam})
       state = jax.jit(lambda: train_step.init_state(init_params(cfg, 0)[1], tx), out_shardings=sh)()
-      state, _ = step(state, batch)  # compile + warm-up
-      runs[slot] = [step, state]
+      compiled = step.lower(state, batch).compile()
+      flops[slot] = matmul_flops(compiled)
+      if not a.flops_only:
+        state, _ = compiled(state, batch)  # warm-up
+        runs[slot] = [compiled, state]
 
     def run(slot):
       runs[slot][1] = jax.block_until_ready(runs[slot][0](runs[slot][1], batch)[0])
 
-    t = alternating_times({s: (lambda s=s: run(s)) for s in runs}, a.reps)
+    t = ({s: [float("nan")] for s in flops} if a.flops_only else
+         alternating_times({s: (lambda s=s: run(s)) for s in runs}, a.reps))
     ratios = np.array(t["hn+tok"]) / np.array(t["hn"])
+    patches = (cfg.image_size // cfg.patch_size) ** 2
     rows.append({"model": name, "batch": b, "step_s_hn": float(np.median(t["hn"])),
                  "step_s_hn+tok": float(np.median(t["hn+tok"])), "ratio": float(np.median(ratios)),
-                 "ratio_min": float(ratios.min()), "ratio_max": float(ratios.max())})
+                 "ratio_min": float(ratios.min()), "ratio_max": float(ratios.max()),
+                 "GFLOP_hn": flops["hn"] / 1e9, "GFLOP_hn+tok": flops["hn+tok"] / 1e9,
+                 "flop_ratio": flops["hn+tok"] / flops["hn"],
+                 "token_fwd_GFLOP_formula": token_term_forward_flops(b, patches, cfg.text_context, cfg.embed_dim) / 1e9})
   print(f"train step with / without the token term (γ = 0.5), 1 {jax.devices()[0].platform} device, "
         f"{hostmem.host_allocator()}")
   print(table(rows, list(rows[0])))

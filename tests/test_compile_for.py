@@ -93,6 +93,23 @@ def test_matmul_flops_are_counted_per_executed_step():
   assert compile_for.matmul_flops(HLO) == 24 * 2 * 8 * 16 * 4 + 2 * 2 * 3 * 5 * 7
 
 
+def test_the_counter_counts_every_iteration_of_compiled_cpu_programs():
+  """What the CPU benchmarks report (benchmarks/common.py: matmul_flops): a scan of 64 matmuls of 256³ is 64 x
+  2 x 256³ FLOPs, and the token term's forward, tiled by scans of [block, block] pairs, is its formula 2·n·B·P·L·E
+  (XLA's cost analysis counts a loop body once: its numbers are not the step's)."""
+  import jax
+  import jax.numpy as jnp
+  from hnclip_jax import losses
+  x = jnp.ones((256, 256), jnp.float32)
+  scan = jax.jit(lambda w: jax.lax.scan(lambda c, _: (c @ w, None), w, None, length=64)[0]).lower(x).compile()
+  assert compile_for.matmul_flops(scan.as_text()) == 64 * 2 * 256 ** 3
+  n, p, l, e = 64, 16, 12, 8
+  r = jax.random.split(jax.random.key(0), 2)
+  img, txt = jax.random.normal(r[0], (n, p, e)), jax.random.normal(r[1], (n, l, e))
+  fwd = jax.jit(lambda i, t: losses.token_rows(i, t, jnp.ones((n, l), bool), jnp.float32(10.0), 0, block=16))
+  assert compile_for.matmul_flops(fwd.lower(img, txt).compile().as_text()) == 2 * n * n * p * l * e
+
+
 # TPU's optimised HLO prints no known_trip_count: the loop bound is read from the condition (counter < constant).
 TPU_COND = """
 %tcond (c: (s32[], f32[8,4])) -> pred[] {
