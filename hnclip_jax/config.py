@@ -260,6 +260,31 @@ def check_benchmarks(config) -> None:
                          f" (a benchmark takes config.data's keys and 'split')")
 
 
+ADAPTER_SETTINGS = ("rank", "alpha", "dropout", "targets")  # config.finetune keys only LoRA / DoRA read
+# config.loss keys only the token term reads (token_weight > 0); FineLIP's aggregators read the first two as well.
+TOKEN_SETTINGS = ("token_layer", "token_image_cls", "token_logit_scale", "token_margin")
+TOKEN_SETTINGS_FINELIP = ("token_layer", "token_image_cls")
+
+
+def _normalised(v):
+  return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
+def check_token_settings(config) -> None:
+  """The token term's settings with the term off (config.loss.token_weight = 0) would do nothing: refused by name
+  (FineLIP's aggregators take their tokens from config.loss.token_layer / token_image_cls, so those two apply
+  there)."""
+  loss, defaults = config.loss, base_config().loss
+  if float(loss.token_weight) > 0:
+    return
+  finelip = config.get("framework") == "finelip"
+  unused = [f"config.loss.{k}={loss[k]!r}" for k in TOKEN_SETTINGS
+            if loss[k] != defaults[k] and not (finelip and k in TOKEN_SETTINGS_FINELIP)]
+  if unused:
+    raise ValueError(f"{', '.join(unused)} set, but config.loss.token_weight=0 turns the token term off, so "
+                     "they would do nothing. Set config.loss.token_weight > 0 (the paper: 1.0), or drop them")
+
+
 def adapter_fields(config) -> dict:
   """config.finetune -> the model's adapter fields (CLIPConfig.adapter*); raises naming the bad key."""
   ft = config.finetune
@@ -273,6 +298,12 @@ def adapter_fields(config) -> dict:
   if ft.method != "full" and (int(ft.rank) <= 0 or float(ft.alpha) <= 0):
     raise ValueError(f"config.finetune.rank={ft.rank} and alpha={ft.alpha} must be positive")
   if ft.method == "full":
+    defaults = base_config().finetune
+    unused = [f"config.finetune.{k}={ft[k]!r}" for k in ADAPTER_SETTINGS
+              if _normalised(ft[k]) != _normalised(defaults[k])]
+    if unused:  # a setting that would silently do nothing
+      raise ValueError(f"{', '.join(unused)} set, but config.finetune.method='full' trains every weight and adds no "
+                       "adapters: these apply only with method 'lora' or 'dora'. Set the method, or drop them")
     return {"adapter": "none"}
   return {"adapter": FINETUNE_METHODS[ft.method], "adapter_rank": int(ft.rank), "adapter_alpha": float(ft.alpha),
           "adapter_targets": "|".join(f"(?:{t})" for t in targets), "adapter_dropout": float(ft.dropout)}
@@ -304,6 +335,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                       **{k: config[k] for k in RUNTIME_FIELDS}).validate()
   adapter_fields(config)  # config.finetune.* checked here too
   framework_fields(config)  # config.framework and config.finelip.* too
+  check_token_settings(config)
   if config.on_nonfinite not in ("error", "skip"):
     raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; choose 'error' or 'skip'")
   if not config.async_checkpointing and config.checkpoint_overlap_steps != base_config().checkpoint_overlap_steps:

@@ -174,9 +174,9 @@ def get_tokenizer(config, wd: Workdir, *, fit_if_missing: bool):
 def resume_error(err: IncompatibleCheckpoint, config, wd: Workdir) -> ValueError:
   """The one-line error for a checkpoint whose state this config cannot restore into."""
   changes = config_changes(err.meta.get("config"), config)
-  said = ("settings that differ from the run that wrote it: " + ", ".join(changes) if changes else
-          "no config setting differs from the run that wrote it (the code's state layout changed)")
-  return ValueError(f"{err.where} cannot be resumed with this config: {'; '.join(err.differences)}. The "
+  said = ("The settings that differ from the run that wrote it: " + ", ".join(changes) if changes else
+          "No config setting differs from the run that wrote it (the code's state layout changed)")
+  return ValueError(f"{err.where} cannot be resumed with this config: {'; '.join(err.differences)}. "
                     f"{said}. Either rerun with the checkpoint's settings, or take only its parameters into a new "
                     f"run: --config.init_from={wd.path} --workdir NEW_DIR. Nothing on disk was changed.")
 

@@ -110,12 +110,15 @@ def frozen_predicate(opt_cfg, freeze):
 
 
 def freeze_patterns(config, model_cfg) -> tuple:
-  """config.finetune.freeze, plus every non-adapter parameter for LoRA / DoRA (except a framework's new modules,
-  FineLIP's aggregators: they start from scratch and train with the adapters)."""
+  """config.finetune.freeze, plus every non-adapter parameter for LoRA / DoRA except the logit scale (trained or
+  not by config.optimizer.train_logit_scale, as with full fine-tuning) and a framework's new modules (FineLIP's
+  aggregators: they start from scratch and train with the adapters)."""
   freeze = [config.finetune.freeze] if isinstance(config.finetune.freeze, str) else list(config.finetune.freeze)
   if model_cfg.adapter != "none":
-    freeze.append(adapters.NOT_ADAPTER if not model_cfg.aggregate_tokens else
-                  r"^(?!(image|text)_aggregator/)" + adapters.NOT_ADAPTER.removeprefix("^"))
+    kept = [r".*(?:/lora/lora_[ab]|/magnitude)$", f"{SCALE_PARAM}$"]  # adapter leaves (adapters.ADAPTER_LEAF)
+    if model_cfg.aggregate_tokens:
+      kept.append(r"(?:image|text)_aggregator/")
+    freeze.append(f"^(?!(?:{'|'.join(kept)}))")
   return tuple(freeze)
 
 

@@ -127,14 +127,16 @@ def test_merged_weights_compute_the_adapted_model(method):
     np.testing.assert_allclose(g, w, atol=1e-5)
 
 
-@pytest.mark.parametrize("method,dropout", [("dora", 0.0), ("lora", 0.3)])
-def test_only_adapters_train(method, dropout):
-  """Several train steps: every base parameter (and the logit scale) bit-identical, every adapter leaf trained,
-  and AdamW moments only for the adapters. With dropout the step is still a pure function of (state, batch):
-  the same step twice gives the same update, and it differs from the step without dropout."""
+@pytest.mark.parametrize("method,dropout,train_scale", [("dora", 0.0, False), ("lora", 0.3, True)])
+def test_only_adapters_train(method, dropout, train_scale):
+  """Several train steps: every base parameter bit-identical, every adapter leaf trained, and AdamW moments only
+  for the adapters — plus the logit scale when config.optimizer.train_logit_scale says so (the default), as in full
+  fine-tuning. With dropout the step is still a pure function of (state, batch): the same step twice gives the same
+  update, and it differs from the step without dropout."""
   config = config_lib.base_config()
   config.finetune.method, config.finetune.rank, config.finetune.alpha = method, 4, 8.0
   config.finetune.dropout = dropout
+  config.optimizer.train_logit_scale = train_scale
   config.optimizer.update(dict(lr=0.01, warmup_steps=0))
   config.total_steps, config.batch_size = 10, 4
   cfg = dataclasses.replace(CFG, **config_lib.adapter_fields(config)).validate()
@@ -149,9 +151,10 @@ def test_only_adapters_train(method, dropout):
     state, metrics = program.step(state, {"image": pixels, "tokens": tokens})
   after = adapters.flat(jax.device_get(state["params"]))
   moved = {k for k in after if not np.array_equal(after[k], before[k])}
-  assert moved == {k for k in after if adapters.is_adapter(k)}
+  scale = {train_step.SCALE_PARAM} if train_scale else set()
+  assert moved == {k for k in after if adapters.is_adapter(k)} | scale
   n_moments = sum(x.size for x in train_step.trained_params(state["opt_state"]))
-  assert n_moments == adapters.sizes(params)[0]
+  assert n_moments == adapters.sizes(params)[0] + len(scale)
   assert np.isfinite(float(metrics["grad_norm"])) and float(metrics["grad_norm"]) > 0
   if dropout:
     snapshot = jax.device_get(state)
@@ -182,8 +185,8 @@ def test_adapter_workdir_load_merge_export_and_resume(tmp_path, tfds_dir):
   assert model.config.adapter == "dora"
   # Each step's checkpoint holds the adapters only; the frozen base is stored once beside them.
   saved = Checkpointer(str(w / "checkpoints"), create=False).saved_structure(4)["params"]
-  saved_paths = set(adapters.flat(saved))
-  assert saved_paths and all(adapters.is_adapter(p) for p in saved_paths)
+  saved_paths = set(adapters.flat(saved)) - {"logit_scale"}  # trained (config.optimizer.train_logit_scale)
+  assert saved_paths and all(adapters.is_adapter(p) for p in saved_paths) and "logit_scale" in adapters.flat(saved)
   assert {p for p in adapters.flat(model.params) if adapters.is_adapter(p)} == saved_paths
   assert os.path.isdir(w / "checkpoints_frozen_params")
   # SIGKILL after step 3, rerun: bit-identical to the uninterrupted run.
@@ -252,7 +255,9 @@ def test_frozen_parameters_cost_no_weight_gradients():
   weight-gradient matmuls, and grad_norm is that of the trained parameters only."""
   def step_flops(method="full", freeze=()):
     config = config_lib.base_config()
-    config.finetune.method, config.finetune.rank, config.finetune.freeze = method, 4, freeze
+    config.finetune.method, config.finetune.freeze = method, freeze
+    if method != "full":
+      config.finetune.rank = 4
     config.total_steps, config.batch_size = 10, 32
     cfg = dataclasses.replace(CFG, **config_lib.adapter_fields(config)).validate()
     mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])

@@ -243,8 +243,13 @@ def test_aggregators_train_with_adapters():
   frozen = train_step.frozen_predicate(c.optimizer, train_step.freeze_patterns(c, cfg))
   assert not frozen("image_aggregator/fc1/kernel") and not frozen("text_aggregator/scale")
   assert not frozen("text/blocks/0/fc1/lora/lora_a") and frozen("text/blocks/0/fc1/kernel") and frozen("ln_post/scale")
+  assert not frozen("logit_scale")  # it follows config.optimizer.train_logit_scale (default: learned)
   plain = CLIPConfig(**{**cfg.__dict__, "aggregate_tokens": 0})
-  assert train_step.freeze_patterns(c, plain)[-1] == r"^(?!.*(/lora/lora_[ab]|/magnitude)$)"
+  frozen_plain = train_step.frozen_predicate(c.optimizer, train_step.freeze_patterns(c, plain))
+  assert frozen_plain("image_aggregator/fc1/kernel") and not frozen_plain("text/blocks/0/fc1/lora/lora_a")
+  assert frozen_plain("vision/blocks/0/attn/q/kernel") and not frozen_plain("vision/blocks/0/attn/q/magnitude")
+  c.optimizer.train_logit_scale = False
+  assert train_step.frozen_predicate(c.optimizer, train_step.freeze_patterns(c, plain))("logit_scale")
 
 
 def test_aggregators_are_replicated_on_every_layout():
@@ -294,6 +299,12 @@ def test_framework_config_is_checked():
   config_lib.validate(c)
   assert c.framework == "finelip" and c.loss.token_weight == 0 and c.optimizer.lr == 1e-6
   assert config_lib.framework_fields(c) == {"aggregate_tokens": 39, "aggregate_hidden_ratio": 0.2}
+  # FineLIP's aggregators read the token term's layer and CLS choice even with the term off; not its temperature.
+  c.loss.token_layer, c.loss.token_image_cls = -2, True
+  config_lib.validate(c)
+  c.loss.token_logit_scale = 50.0
+  with pytest.raises(ValueError, match=r"config.loss.token_logit_scale=50.0 set, but config.loss.token_weight=0"):
+    config_lib.validate(c)
   with pytest.raises(ValueError, match="no lora/dora variant"):
     longclip_l.get_config("finelip,lora")
 

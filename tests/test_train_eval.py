@@ -149,6 +149,12 @@ def test_full_objective_with_token_term_trains_and_resumes(tmp_path, tfds_dir):
     ("--config.batch_size=0", "config.batch_size=0 must be positive"),
     ("--config.model.text_layers=-1", "config.model.text_layers=-1 must be positive"),
     ("--config.mesh.data=3", "multiplies to 3 but there are 1 devices"),
+    # Settings that would silently do nothing are refused by name.
+    ("--config.finetune.rank=8", "config.finetune.rank=8 set, but config.finetune.method='full' trains every weight"),
+    ("--config.finetune.targets=('fc1$',)", "config.finetune.targets=('fc1$',) set, but config.finetune.method='full'"),
+    ("--config.loss.token_margin=true", "config.loss.token_margin=True set, but config.loss.token_weight=0 turns the "
+                                        "token term off"),
+    ("--config.loss.token_layer=-2", "config.loss.token_layer=-2 set, but config.loss.token_weight=0"),
 ])
 def test_bad_config_is_named(tmp_path, override, message):
   proc = run_entry("train.py", ["--config", CONFIG, "--workdir", str(tmp_path / "w"), override])
