@@ -93,7 +93,9 @@ def base_config() -> ml_collections.ConfigDict:
                                           "targets": (r"attn/(q|k|v|out)$", r"fc1$", r"fc2$"), "freeze": ()})
   # framework: which fine-tuning framework's objective (docs/frameworks.md). "longclip": the global term L_HN (+ the
   # token term if config.loss.token_weight > 0) on the whole model, as Long-CLIP fine-tunes. "finelip": FineLIP's
-  # token aggregation modules and late-interaction hinge (config.finelip), with L_HN as its global term.
+  # token aggregation modules and late-interaction hinge (config.finelip), with L_HN as its global term. "goal":
+  # GOAL's segment terms (config.goal; needs segments in the data). "structxlip": StructXLIP's edge-map terms
+  # (config.structxlip; segments for its local term).
   c.framework = "longclip"
   # FineLIP (Asokan et al. 2025), defaults = the authors' released settings. tokens: K aggregated tokens per tower
   # (39 = int(196 patches × 0.4 × 0.5)); hidden_ratio: the aggregation MLP's width / embed_dim; weight, margin:

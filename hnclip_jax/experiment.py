@@ -137,17 +137,12 @@ def resolve_model(config, wd: Workdir, *, training: bool):
     raise FileNotFoundError(f"{wd.model_json} is missing: {wd.path} is not a train.py workdir (train first)")
   params = None
   if config.init_from:
-    from hnclip_jax import pretrained
-    pre = pretrained.load(config.init_from).merged()  # an adapter workdir starts from its folded weights
-    if config.model.text_context > pre.config.text_context:
-      pre = pre.with_text_context(config.model.text_context)
-    pre = pre.with_token_projection(config.model.token_projection)
+    cfg, pre = pretrained_start(config)
     if pre.tokenizer is None:
       raise FileNotFoundError(f"config.init_from={config.init_from} has no tokenizer files next to the weights "
                               "(vocab.json + merges.txt, tokenizer.json or bpe_simple_vocab_16e6.txt.gz)")
-    cfg, tok, params = runtime(pre.config, config), pre.tokenizer, pre.params
-    cfg = dataclasses.replace(cfg, **adapter_fields(config), **framework_fields(config)).validate()
-    params = with_aggregators(params, cfg, config.seed, config.init_from)
+    tok = pre.tokenizer
+    params = with_aggregators(pre.params, cfg, config.seed, config.init_from)
     if cfg.adapter != "none":
       params = adapters.add_adapters(params, cfg, config.seed)
   else:
@@ -155,6 +150,20 @@ def resolve_model(config, wd: Workdir, *, training: bool):
     cfg = model_config(config, tok)
   wd.save_model(cfg, tok)
   return cfg, tok, params
+
+
+def pretrained_start(config):
+  """config.init_from's weights as this run starts from them -> (the run's CLIPConfig, the Pretrained): adapters of
+  an adapter workdir folded in, text positions stretched if config.model.text_context asks for more (as Long-CLIP
+  does), the token projection config.model asks for, then this run's adapters, framework modules and compute
+  settings. train.py (resolve_model) and tools/compile_for build a fine-tuning start's architecture here."""
+  from hnclip_jax import pretrained
+  pre = pretrained.load(config.init_from).merged()  # an adapter workdir starts from its folded weights
+  if config.model.text_context > pre.config.text_context:
+    pre = pre.with_text_context(config.model.text_context)
+  pre = pre.with_token_projection(config.model.token_projection)
+  cfg = dataclasses.replace(runtime(pre.config, config), **adapter_fields(config), **framework_fields(config))
+  return cfg.validate(), pre
 
 
 def get_tokenizer(config, wd: Workdir, *, fit_if_missing: bool):

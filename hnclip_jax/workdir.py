@@ -29,7 +29,7 @@ import jax
 
 from hnclip_jax import storage
 from hnclip_jax.config import MODEL_RUNTIME_FIELDS, flatten
-from hnclip_jax.data.tokenizer import load_tokenizer
+from hnclip_jax.data.saved_tokenizer import load_tokenizer
 from hnclip_jax.models import CLIPConfig
 
 MODEL_JSON = "model.json"

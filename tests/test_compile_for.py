@@ -259,6 +259,27 @@ def test_compiled_model_is_the_runs_model_with_its_adapters():
   assert compile_for.model_for(get_config("")).adapter == "none"
 
 
+def test_a_fine_tuning_start_is_built_as_train_py_builds_it(tmp_path):
+  """compile_for and train.py build the architecture of a config.init_from start through the same function
+  (experiment.pretrained_start): stretched text positions, the run's adapters and compute settings."""
+  import sys
+  sys.path.insert(0, ROOT)
+  from configs.demo import get_config
+  from hnclip_jax import experiment, pretrained
+  from hnclip_jax.data.tokenizer import WordTokenizer
+  from hnclip_jax.models import init_params
+  from hnclip_jax.workdir import Workdir
+  c = get_config("test")
+  tok = WordTokenizer.fit(["a red circle left of a square", "a blue square"], context_length=c.model.text_context)
+  base = experiment.model_config(c, tok)
+  pretrained.Pretrained(base, init_params(base, 0)[1], tok, "a start").save(str(tmp_path / "start"))
+  c.init_from, c.model.text_context, c.dtype = str(tmp_path / "start"), 248, "bfloat16"
+  c.finetune.method, c.finetune.rank = "lora", 4
+  want, _, _ = experiment.resolve_model(c, Workdir(str(tmp_path / "w")), training=True)
+  assert compile_for.model_for(c) == want
+  assert (want.text_context, want.adapter, want.adapter_rank, want.dtype) == (248, "lora", 4, "bfloat16")
+
+
 def test_clear_errors_without_a_tpu_compiler(tmp_path):
   proc = run_py(["-m", "hnclip_jax.tools.compile_for", "--config", "configs/demo.py:test", "--topology", "v9x:2x2"],
                 check=False)

@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 
 from hnclip_jax.data import builders, pipeline, synthetic
-from hnclip_jax.data.tokenizer import WordTokenizer, load_tokenizer
+from hnclip_jax.data.saved_tokenizer import load_tokenizer
+from hnclip_jax.data.tokenizer import WordTokenizer
 from conftest import ROOT, run_py
 
 

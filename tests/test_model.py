@@ -149,7 +149,7 @@ def test_model_and_tokenizer_agree_before_anything_compiles(tmp_path):
   from configs import longclip_l
   from hnclip_jax import config as config_lib, experiment
   from hnclip_jax.data.tokenizer import WordTokenizer
-  from hnclip_jax.pretrained.clip_tokenizer import CLIPTokenizer
+  from hnclip_jax.data.clip_tokenizer import CLIPTokenizer
   from hnclip_jax.workdir import read_tokenizer, write_tokenizer
   word = WordTokenizer.fit(["a small red circle left of a blue square", "a green triangle"], context_length=77)
   bpe = CLIPTokenizer.from_openai_bpe(os.path.join(SHARED, "data", "bpe_simple_vocab_16e6.txt.gz"), 77)

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch", reason="parity tests need torch==2.13.0 (te
 transformers = pytest.importorskip("transformers")
 
 from hnclip_jax import pretrained  # noqa: E402
-from hnclip_jax.pretrained.clip_tokenizer import OPENAI_NUM_MERGES, CLIPTokenizer, byte_alphabet  # noqa: E402
+from hnclip_jax.data.clip_tokenizer import OPENAI_NUM_MERGES, CLIPTokenizer, byte_alphabet  # noqa: E402
 from conftest import ROOT, run_py  # noqa: E402
 
 # OpenAI's real merge list, from the project's shared/ folder beside the checkout (never copied into the repo).

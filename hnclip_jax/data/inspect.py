@@ -28,7 +28,7 @@ def main(argv):
   from hnclip_jax.config import base_config
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.data.tokenizer import WordTokenizer
-  from hnclip_jax.pretrained.clip_tokenizer import CLIPTokenizer
+  from hnclip_jax.data.clip_tokenizer import CLIPTokenizer
   f = flags.FLAGS
   data = base_config().data
   data.name, data.manual_dir, data.data_dir = argv[1], f.manual_dir, f.data_dir

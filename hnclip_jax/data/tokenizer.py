@@ -1,7 +1,8 @@
-"""Tokenizers behind one small interface: `tok(texts) -> int32 [N, context_length]`, `save(dir)`, `load_tokenizer(dir)`.
+"""Tokenizers behind one small interface: `tok(texts) -> int32 [N, context_length]`, `save(dir)`; a saved one of
+either kind is read back by `saved_tokenizer.load_tokenizer(dir)`.
 
 `WordTokenizer` is a word-level vocabulary fitted on training captions with the
-`tokenizers` library; it is used when training from scratch.
+`tokenizers` library; it is used when training from scratch. CLIP's BPE is `clip_tokenizer.CLIPTokenizer`.
 """
 from __future__ import annotations
 
@@ -94,19 +95,3 @@ class WordTokenizer(PackedTokenizer):
     trainer = trainers.WordLevelTrainer(special_tokens=[PAD, UNK, SOT, EOT], min_frequency=min_frequency)
     tok.train_from_iterator(texts, trainer=trainer)
     return cls(tok, context_length)
-
-
-TOKENIZERS = {WordTokenizer.kind: WordTokenizer}
-
-
-def load_tokenizer(directory: str):
-  """Loads a tokenizer saved with `.save(directory)`."""
-  import hnclip_jax.pretrained.clip_tokenizer  # noqa: F401  (registers the CLIP BPE tokenizer)
-  path = os.path.join(directory, META_FILE)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"no tokenizer in {directory}: {META_FILE} is missing")
-  with open(path) as f:
-    meta = json.load(f)
-  if meta.get("type") not in TOKENIZERS:
-    raise ValueError(f"{path}: unknown tokenizer type {meta.get('type')!r}; known: {sorted(TOKENIZERS)}")
-  return TOKENIZERS[meta["type"]].load(directory, meta)

@@ -1,4 +1,5 @@
-"""LoRA / DoRA adapters as parameters: adding them to base weights, folding them back in, and telling them apart.
+"""LoRA / DoRA adapters as parameters: adding them to base weights, folding them back in, telling them apart, and
+initialising a model with or without them (`init_params`, exported as `hnclip_jax.models.init_params`).
 
 The layers are `clip.LoRALinear` (Flax's nnx.LoRALinear plus LoRA's alpha / r scale) and `clip.DoRALinear`; their
 base kernel and bias keep nnx.Linear's paths, so base weights from any source load unchanged. Adapter leaves:
@@ -16,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from hnclip_jax.models.clip import CLIP, abstract_model, column_norm, split_params
 
 ADAPTER_LEAF = re.compile(r"/lora/lora_[ab]$|/magnitude$")
 # Matches every parameter that is not an adapter leaf: what LoRA / DoRA fine-tuning freezes.
@@ -40,13 +43,11 @@ def is_adapter(path: str) -> bool:
 
 
 def _column_norm(w) -> np.ndarray:
-  from hnclip_jax.models.clip import column_norm
   return jax.jit(column_norm)(jnp.asarray(w))
 
 
 def add_adapters(base: dict, cfg, seed: int) -> dict:
   """Base params (no adapters) -> params of `cfg`'s adapted model; raises naming a base leaf that is missing."""
-  from hnclip_jax.models.clip import abstract_model
   _, abstract = abstract_model(cfg)
   have = flat(base)
   init_a = nnx.initializers.he_uniform()
@@ -70,7 +71,6 @@ def add_adapters(base: dict, cfg, seed: int) -> dict:
 def merge_adapters(params: dict, cfg):
   """Adapted params -> (base CLIPConfig, plain params): each adapted kernel folded to W + (alpha / r) A B (LoRA) or
   m * V / ||V||_c (DoRA), adapter leaves dropped. The plain model computes what the adapted one does."""
-  from hnclip_jax.models.clip import abstract_model, column_norm
   if cfg.adapter == "none":
     return cfg, params
   base_cfg = base_config(cfg)
@@ -98,3 +98,13 @@ def sizes(params) -> tuple[int, int]:
   f = flat(params)
   return sum(int(np.prod(np.shape(x))) for k, x in f.items() if is_adapter(k)), sum(
       int(np.prod(np.shape(x))) for x in f.values())
+
+
+def init_params(cfg, seed: int):
+  """Returns (graphdef, params) of a freshly initialised model; adapters, if any, added to the base weights as
+  `add_adapters` does for pretrained ones (B = 0: the adapted model starts as the base model)."""
+  if cfg.adapter != "none":
+    _, base = split_params(CLIP(base_config(cfg), rngs=nnx.Rngs(seed)))
+    graphdef, _ = abstract_model(cfg)
+    return graphdef, add_adapters(base, cfg, seed)
+  return split_params(CLIP(cfg, rngs=nnx.Rngs(seed)))

@@ -593,17 +593,6 @@ def abstract_model(cfg: CLIPConfig):
   return split_params(nnx.eval_shape(lambda: CLIP(cfg, rngs=nnx.Rngs(0))))
 
 
-def init_params(cfg: CLIPConfig, seed: int):
-  """Returns (graphdef, params) of a freshly initialised model (adapters, if any, added to the base weights as
-  `adapters.add_adapters` does for pretrained ones)."""
-  if cfg.adapter != "none":
-    from hnclip_jax.models import adapters
-    _, base = split_params(CLIP(adapters.base_config(cfg), rngs=nnx.Rngs(seed)))
-    graphdef, _ = abstract_model(cfg)
-    return graphdef, adapters.add_adapters(base, cfg, seed)
-  return split_params(CLIP(cfg, rngs=nnx.Rngs(seed)))
-
-
 def bind(graphdef, params) -> CLIP:
   """Rebuilds the module from its graphdef and a pure params dict (cheap; used inside jit)."""
   return nnx.merge(graphdef, params)

@@ -13,7 +13,7 @@ from hnclip_jax import workdir as workdir_format
 from hnclip_jax.data import pipeline
 from hnclip_jax.models import CLIPConfig, abstract_model, bind
 from hnclip_jax.pretrained import weights
-from hnclip_jax.pretrained.clip_tokenizer import CLIPTokenizer
+from hnclip_jax.data.clip_tokenizer import CLIPTokenizer
 from hnclip_jax.pretrained.weights import stretch_positions
 
 __all__ = ["Pretrained", "load", "stretch_positions", "CLIPTokenizer"]

@@ -47,6 +47,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -499,24 +500,18 @@ def out_of_memory(message: str):
   return {"fits": False, "compiler_refused": first[:300], "required_bytes": need, "usable_hbm_bytes": have}
 
 
+# Without config.init_from there is no data here to fit a tokenizer on: the vocabulary is CLIP's BPE.
+CLIP_BPE_SIZES = types.SimpleNamespace(vocab_size=49408, eot_id=49407, kind="CLIP BPE")
+
+
 def model_for(config):
-  """The architecture the run would train: config.init_from's (read from the weights) or config.model (a vocabulary
-  size 0 / end token -1 means the CLIP BPE tokenizer's 49,408 / 49,407, since there is no data to fit one on)."""
-  from hnclip_jax import config as config_lib, experiment
-  from hnclip_jax.models import CLIPConfig
+  """The architecture the run would train, built by the functions train.py uses (experiment.pretrained_start,
+  experiment.model_config): config.init_from's (read from the weights) or config.model (a vocabulary size 0 / end
+  token -1 means the CLIP BPE tokenizer's 49,408 / 49,407, since there is no data to fit one on)."""
+  from hnclip_jax import experiment
   if config.init_from:
-    from hnclip_jax import pretrained
-    pre = pretrained.load(config.init_from)
-    if config.model.text_context > pre.config.text_context:
-      pre = pre.with_text_context(config.model.text_context)
-    return experiment.runtime(dataclasses.replace(pre.config, token_projection=config.model.token_projection,
-                                                  **config_lib.adapter_fields(config),
-                                                  **config_lib.framework_fields(config)).validate(), config)
-  d = dict(config.model)
-  d["vocab_size"] = d["vocab_size"] or 49408
-  d["eot_token_id"] = d["eot_token_id"] if d["eot_token_id"] >= 0 else d["vocab_size"] - 1
-  return experiment.runtime(CLIPConfig.from_dict({**d, **config_lib.adapter_fields(config),
-                                                  **config_lib.framework_fields(config)}), config)
+    return experiment.pretrained_start(config)[0]
+  return experiment.model_config(config, CLIP_BPE_SIZES)
 
 
 def _gb(x):

@@ -19,7 +19,7 @@ import os
 import tokenizers
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 
-from hnclip_jax.data.tokenizer import TOKENIZERS, PackedTokenizer
+from hnclip_jax.data.tokenizer import PackedTokenizer
 
 SOT, EOT = "<|startoftext|>", "<|endoftext|>"
 CLIP_PATTERN = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
@@ -120,4 +120,3 @@ class CLIPTokenizer(PackedTokenizer):
                             "or bpe_simple_vocab_16e6.txt.gz")
 
 
-TOKENIZERS[CLIPTokenizer.kind] = CLIPTokenizer
