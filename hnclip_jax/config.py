@@ -71,9 +71,13 @@ def base_config() -> ml_collections.ConfigDict:
   #   final LayerNorm and projection), token_image_cls (CLS token among the patches), token_logit_scale (0 = the
   #   model's learned s; > 0 = a fixed multiplier), token_margin (add γ·Ḡ to the token logits too). Which projection
   #   the tokens go through is an architecture setting: config.model.token_projection ("shared" | "separate").
+  # token_schedule: how the token term meets every caption on a mesh: "gather" all-gathers the caption tokens on
+  #   every device (memory per device grows with the global batch), "ring" passes tiles of them around the batch
+  #   axes (ppermute) and scores each against the device's images as it arrives: O(local batch) tokens per device,
+  #   the same loss and gradients (docs/objective.md, docs/sharding.md).
   c.loss = ml_collections.ConfigDict({"gamma": 0.5, "negatives": "global_batch", "chunk_size": 0,
                                       "token_weight": 0.0, "token_layer": -1, "token_image_cls": False,
-                                      "token_logit_scale": 0.0, "token_margin": False})
+                                      "token_logit_scale": 0.0, "token_margin": False, "token_schedule": "gather"})
   # train_logit_scale: learn CLIP's logit scale (its parameter is clamped to [0, ln 100] after every update).
   c.optimizer = ml_collections.ConfigDict({
       "lr": 5e-4, "weight_decay": 0.1, "warmup_steps": 50,
@@ -264,7 +268,8 @@ def check_benchmarks(config) -> None:
 
 ADAPTER_SETTINGS = ("rank", "alpha", "dropout", "targets")  # config.finetune keys only LoRA / DoRA read
 # config.loss keys only the token term reads (token_weight > 0); FineLIP's aggregators read the first two as well.
-TOKEN_SETTINGS = ("token_layer", "token_image_cls", "token_logit_scale", "token_margin")
+TOKEN_SETTINGS = ("token_layer", "token_image_cls", "token_logit_scale", "token_margin", "token_schedule")
+TOKEN_SCHEDULES = ("gather", "ring")
 TOKEN_SETTINGS_FINELIP = ("token_layer", "token_image_cls")
 
 
@@ -277,6 +282,8 @@ def check_token_settings(config) -> None:
   (FineLIP's aggregators take their tokens from config.loss.token_layer / token_image_cls, so those two apply
   there)."""
   loss, defaults = config.loss, base_config().loss
+  if loss.token_schedule not in TOKEN_SCHEDULES:
+    raise ValueError(f"config.loss.token_schedule={loss.token_schedule!r}; choose one of {list(TOKEN_SCHEDULES)}")
   if float(loss.token_weight) > 0:
     return
   finelip = config.get("framework") == "finelip"

@@ -9,6 +9,8 @@ near-equal similarities, and rounding it away is rounding the method away.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -171,6 +173,85 @@ def token_rows(img_tok_rows, txt_tok_all, mask_all, logit_scale, row_offset, blo
   extra = 0.0 if margin is None else _margin(margin[1], margin[2], margin[0], is_pos)
   scale = logit_scale.astype(F32)
   return _cross_entropy(scale * (i2t + extra), is_pos), _cross_entropy(scale * (t2i + extra), is_pos)
+
+
+# The token term's ring schedule: caption-token tiles travel around the batch axes instead of being all-gathered.
+def token_rows_ring(img_tok_rows, txt_tok_rows, mask_rows, logit_scale, row_offset, axes, num_devices: int,
+                    block: int = TOKEN_BLOCK, margin=None):
+  """`token_rows` on a mesh without gathering the caption tokens: inside `shard_map` over the batch axes `axes`
+  (num_devices devices), each device holds its n images' and n captions' tokens; the caption tiles (tokens, mask)
+  pass around the ring with `ppermute`, and each device scores its images against the tile at hand. A tile carries
+  its captions' text->image scores home with it. So per device the term holds O(n) tokens (its own, one visiting
+  tile) and the [n, B] scores, whatever B; the backward pass sends the tiles around again, recomputing each
+  tile's similarities (`ring_token_scores`'s custom VJP), instead of keeping every visiting tile.
+  Same arguments and result as `token_rows` (txt_tok_rows / mask_rows: this device's captions, not all)."""
+  n = img_tok_rows.shape[0]
+  batch = n * num_devices
+  i2t, t2i = ring_token_scores(img_tok_rows, txt_tok_rows, mask_rows.astype(F32), axes, num_devices, block)
+  is_pos = _positives(n, batch, row_offset)
+  extra = 0.0 if margin is None else _margin(margin[1], margin[2], margin[0], is_pos)
+  scale = logit_scale.astype(F32)
+  return _cross_entropy(scale * (i2t + extra), is_pos), _cross_entropy(scale * (t2i + extra), is_pos)
+
+
+def _tile_scores(img, txt, maskf, block):
+  """This device's images against one tile of captions -> (i2t [n_img, n_cap], t2i [n_cap, n_img])."""
+  return pairwise_rows(lambda i, t, m: token_scores(i, t, m > 0.5), img, (txt, maskf), block)
+
+
+def _varying(x, axes):
+  """A loop carry that differs per device (shard_map's type of the values a ring passes around)."""
+  return jax.lax.pcast(x, axes, to="varying")
+
+
+def _ring(d):
+  return [(j, (j + 1) % d) for j in range(d)]  # after k hops a device holds the tile of device (me - k) mod d
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def ring_token_scores(img, txt, maskf, axes, d: int, block: int):
+  """-> (i2t [n, B]: this device's images against every caption, t2i [n, B]: this device's captions against every
+  image); maskf: [n, L] float (1 on real tokens). See `token_rows_ring`."""
+  n = img.shape[0]
+  me = jax.lax.axis_index(axes)
+
+  def hop(k, carry):
+    rows, txt_k, mask_k, t2i_k = carry
+    a, bt = _tile_scores(img, txt_k, mask_k, block)
+    rows = jax.lax.dynamic_update_slice(rows, a, (0, ((me - k) % d) * n))
+    t2i_k = jax.lax.dynamic_update_slice(t2i_k, bt, (0, me * n))
+    return (rows, *jax.lax.ppermute((txt_k, mask_k, t2i_k), axes, _ring(d)))
+
+  zeros = _varying(jnp.zeros((n, n * d), F32), axes)
+  rows, _, _, t2i = jax.lax.fori_loop(0, d, hop, (zeros, txt, maskf, zeros))
+  return rows, t2i  # after d hops every tile, with its captions' t2i scores, is home
+
+
+def _ring_fwd(img, txt, maskf, axes, d, block):
+  return ring_token_scores(img, txt, maskf, axes, d, block), (img, txt, maskf)
+
+
+def _ring_bwd(axes, d, block, res, cotangents):
+  img, txt, maskf = res
+  g_rows, g_t2i = cotangents
+  n = img.shape[0]
+  me = jax.lax.axis_index(axes)
+
+  def hop(k, carry):
+    dimg, txt_k, mask_k, g_k, dtxt_k = carry
+    ga = jax.lax.dynamic_slice(g_rows, (0, ((me - k) % d) * n), (n, n))
+    gbt = jax.lax.dynamic_slice(g_k, (0, me * n), (n, n))
+    _, vjp = jax.vjp(lambda i, t: _tile_scores(i, t, mask_k, block), img, txt_k)
+    di, dt = vjp((ga, gbt))
+    return (dimg + di.astype(F32),
+            *jax.lax.ppermute((txt_k, mask_k, g_k, dtxt_k + dt.astype(F32)), axes, _ring(d)))
+
+  init = (_varying(jnp.zeros(img.shape, F32), axes), txt, maskf, g_t2i, _varying(jnp.zeros(txt.shape, F32), axes))
+  dimg, _, _, _, dtxt = jax.lax.fori_loop(0, d, hop, init)
+  return dimg.astype(img.dtype), dtxt.astype(txt.dtype), jnp.zeros_like(maskf)
+
+
+ring_token_scores.defvjp(_ring_fwd, _ring_bwd)
 
 
 # FineLIP (Asokan et al. 2025): late interaction on aggregated tokens, and a hinge over all in-batch negatives.

@@ -55,6 +55,7 @@ class Objective:
   token_image_cls: bool = False  # include the image CLS token among the patches
   token_logit_scale: float = 0.0  # 0: the model's learned s; > 0: this fixed multiplier for the token logits
   token_margin: bool = False  # also add γ·Ḡ to the token logits
+  token_schedule: str = "gather"  # "gather": all caption tokens on every device | "ring": tiles passed around
   global_weight: float = 1.0  # w_g: weight of L_HN
   finelip_weight: float = 0.0  # w_f: FineLIP's hinge on aggregated tokens (0: off; the model needs aggregators)
   finelip_margin: float = 0.2  # the hinge's margin
@@ -81,7 +82,7 @@ class Objective:
     obj = cls(gamma=float(loss_cfg.gamma), token_weight=float(loss_cfg.token_weight),
               chunk_size=int(loss_cfg.chunk_size), token_layer=int(loss_cfg.token_layer),
               token_image_cls=bool(loss_cfg.token_image_cls), token_logit_scale=float(loss_cfg.token_logit_scale),
-              token_margin=bool(loss_cfg.token_margin))
+              token_margin=bool(loss_cfg.token_margin), token_schedule=str(loss_cfg.get("token_schedule", "gather")))
     if config is not None and config.get("framework", "longclip") == "finelip":
       f = config.finelip
       obj = obj.replace(global_weight=float(f.global_weight), finelip_weight=float(f.weight),
@@ -213,9 +214,14 @@ class Objective:
         margin = (self.gamma, out["txt"], txt_all) if self.token_margin and losses.has_margin(self.gamma) else None
         # [B, n] columns of S^T (all captions vs this device's images) -> this device's [n, B] rows of it.
         cols_to_rows = lambda x: jax.lax.all_to_all(x, axes, 0, 1, tiled=True)
-        ti2t, tt2i = losses.token_rows(
-            out["img_tokens"], gather(out["txt_tokens"]), gather(out["txt_mask"]), tok_scale, offset,
-            block=self.chunk_size or losses.TOKEN_BLOCK, margin=margin, cols_to_rows=cols_to_rows)
+        if self.token_schedule == "ring":  # caption-token tiles around the batch axes: O(n) tokens per device
+          ti2t, tt2i = losses.token_rows_ring(
+              out["img_tokens"], out["txt_tokens"], out["txt_mask"], tok_scale, offset, axes, batch // n,
+              block=self.chunk_size or losses.TOKEN_BLOCK, margin=margin)
+        else:
+          ti2t, tt2i = losses.token_rows(
+              out["img_tokens"], gather(out["txt_tokens"]), gather(out["txt_mask"]), tok_scale, offset,
+              block=self.chunk_size or losses.TOKEN_BLOCK, margin=margin, cols_to_rows=cols_to_rows)
         terms["tok"] = jax.lax.psum(jnp.sum(ti2t) + jnp.sum(tt2i), axes) / (2 * batch)
         per = per + self.token_weight * 0.5 * (ti2t + tt2i)
         loss = loss + self.token_weight * terms["tok"]

@@ -281,7 +281,46 @@ def memory():
                               "full": TB * XC * TB * XK}
 
 
-SECTIONS = {"core": core, "token": token, "adapters": adapters_, "finelip": finelip, "goal": goal,
+def ring():
+  """The token term's ring schedule (config.loss.token_schedule="ring"): every layout, accumulation and chunking equal
+  one device (and so the gather schedule); per device, no caption-token buffer grows with the global batch."""
+  ref = grads_on((1, 1, 1), token_weight=1.0)
+  out["ring_layouts"] = {}
+  for shape in LAYOUTS:
+    loss, grads, _ = grads_on(shape, token_weight=1.0, token_schedule="ring")
+    out["ring_layouts"][str(shape)] = rel(loss, grads, ref)
+  for name, kw in (("accum x2 (2, 2, 2)", dict(shape=(2, 2, 2), accum=2)),
+                   ("chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1)),
+                   ("micro-batch negatives, accum x2 (4, 2, 1)", dict(shape=(4, 2, 1), accum=2,
+                                                                     negatives="micro_batch"))):
+    loss, grads, _ = grads_on(token_weight=1.0, token_schedule="ring", **kw)
+    want = ref if "micro" not in name else grads_on((1, 1, 1), token_weight=1.0, accum=2, negatives="micro_batch")
+    out["ring_layouts"][name] = rel(loss, grads, want)
+  # Compiled value and gradient of the objective at 32 rows per device on 4 and on 8 devices (global batch 128 and
+  # 256): the largest buffer holding caption tokens ([..., L, E]) under each schedule.
+  TP, TL, TE, rows = 5, 7, 24, 32
+  out["ring_memory"] = {}
+  for devices in (4, 8):
+    mesh = mesh_of((devices, 1, 1))
+    sh = NamedSharding(mesh, P(sharding.BATCH_AXES))
+    tb = rows * devices
+    o = {"img": jax.ShapeDtypeStruct((tb, TE), jnp.float32, sharding=sh),
+         "txt": jax.ShapeDtypeStruct((tb, TE), jnp.float32, sharding=sh),
+         "img_tokens": jax.ShapeDtypeStruct((tb, TP, TE), jnp.float32, sharding=sh),
+         "txt_tokens": jax.ShapeDtypeStruct((tb, TL, TE), jnp.float32, sharding=sh)}
+    mask = jax.ShapeDtypeStruct((tb, TL), jnp.bool_, sharding=sh)
+    for schedule in ("gather", "ring"):
+      obj = Objective(gamma=0.5, token_weight=1.0, token_schedule=schedule)
+      f = lambda o, m, obj=obj, mesh=mesh: obj({**o, "txt_mask": m, "scale": jnp.float32(30.0)}, mesh)[0]
+      hlo = jax.jit(jax.value_and_grad(f)).lower(o, mask).compile().as_text()
+      tokens = [int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"[fs]\d+\[([\d,]*)\]", hlo)
+                if dims.endswith(f",{TL},{TE}")]
+      out["ring_memory"][f"{schedule}/{devices}"] = {"largest_token_buffer": max(tokens), "global_batch": tb,
+                                                     "rows": rows, "L": TL, "E": TE,
+                                                     "collective_permutes": hlo.count("collective-permute")}
+
+
+SECTIONS = {"core": core, "token": token, "ring": ring, "adapters": adapters_, "finelip": finelip, "goal": goal,
             "structxlip": structxlip, "memory": memory}
 
 if __name__ == "__main__":
