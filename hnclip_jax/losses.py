@@ -180,9 +180,10 @@ def token_rows_ring(img_tok_rows, txt_tok_rows, mask_rows, logit_scale, row_offs
                     block: int = TOKEN_BLOCK, margin=None):
   """`token_rows` on a mesh without gathering the caption tokens: inside `shard_map` over the batch axes `axes`
   (num_devices devices), each device holds its n images' and n captions' tokens; the caption tiles (tokens, mask)
-  pass around the ring with `ppermute`, and each device scores its images against the tile at hand. A tile carries
-  its captions' text->image scores home with it. So per device the term holds O(n) tokens (its own, one visiting
-  tile) and the [n, B] scores, whatever B; the backward pass sends the tiles around again, recomputing each
+  pass around the ring with `ppermute` (each hop's send overlapping the scoring of the tile at hand), and each
+  device scores its images against the tile at hand; the text->image scores computed for visiting captions go home
+  by one all-to-all. So per device the term holds O(n) tokens (its own, one or two visiting tiles) and the [n, B]
+  scores, whatever B; the backward pass sends the tiles around again, recomputing each
   tile's similarities (`ring_token_scores`'s custom VJP), instead of keeping every visiting tile.
   Same arguments and result as `token_rows` (txt_tok_rows / mask_rows: this device's captions, not all)."""
   n = img_tok_rows.shape[0]
@@ -211,20 +212,28 @@ def _ring(d):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def ring_token_scores(img, txt, maskf, axes, d: int, block: int):
   """-> (i2t [n, B]: this device's images against every caption, t2i [n, B]: this device's captions against every
-  image); maskf: [n, L] float (1 on real tokens). See `token_rows_ring`."""
+  image); maskf: [n, L] float (1 on real tokens). See `token_rows_ring`.
+
+  Each hop starts sending the tile at hand to the next device before scoring it, so the transfer overlaps the
+  scoring; d - 1 hops bring every tile past every device. The text->image scores a device computes for a visiting
+  tile are columns of the owners' rows ([B, n] here), sent home by one all-to-all at the end."""
   n = img.shape[0]
   me = jax.lax.axis_index(axes)
 
-  def hop(k, carry):
-    rows, txt_k, mask_k, t2i_k = carry
+  def score(k, rows, cols, txt_k, mask_k):
+    src = ((me - k) % d) * n
     a, bt = _tile_scores(img, txt_k, mask_k, block)
-    rows = jax.lax.dynamic_update_slice(rows, a, (0, ((me - k) % d) * n))
-    t2i_k = jax.lax.dynamic_update_slice(t2i_k, bt, (0, me * n))
-    return (rows, *jax.lax.ppermute((txt_k, mask_k, t2i_k), axes, _ring(d)))
+    return jax.lax.dynamic_update_slice(rows, a, (0, src)), jax.lax.dynamic_update_slice(cols, bt, (src, 0))
 
-  zeros = _varying(jnp.zeros((n, n * d), F32), axes)
-  rows, _, _, t2i = jax.lax.fori_loop(0, d, hop, (zeros, txt, maskf, zeros))
-  return rows, t2i  # after d hops every tile, with its captions' t2i scores, is home
+  def hop(k, carry):
+    rows, cols, txt_k, mask_k = carry
+    nxt = jax.lax.ppermute((txt_k, mask_k), axes, _ring(d))  # in flight while the tile at hand is scored
+    return (*score(k, rows, cols, txt_k, mask_k), *nxt)
+
+  init = (_varying(jnp.zeros((n, n * d), F32), axes), _varying(jnp.zeros((n * d, n), F32), axes), txt, maskf)
+  rows, cols, txt_last, mask_last = jax.lax.fori_loop(0, d - 1, hop, init)
+  rows, cols = score(d - 1, rows, cols, txt_last, mask_last)
+  return rows, jax.lax.all_to_all(cols, axes, 0, 1, tiled=True)
 
 
 def _ring_fwd(img, txt, maskf, axes, d, block):
@@ -232,23 +241,34 @@ def _ring_fwd(img, txt, maskf, axes, d, block):
 
 
 def _ring_bwd(axes, d, block, res, cotangents):
+  """The tiles go around once more: each device recomputes its images' similarities with the tile at hand (the
+  forward kept none of them) and adds the tile's token gradient to what the tile carries; after d hops every
+  tile's gradient is home."""
   img, txt, maskf = res
   g_rows, g_t2i = cotangents
+  g_cols = jax.lax.all_to_all(g_t2i, axes, 1, 0, tiled=True)  # [B, n]: the visiting captions' t2i cotangents
   n = img.shape[0]
   me = jax.lax.axis_index(axes)
 
-  def hop(k, carry):
-    dimg, txt_k, mask_k, g_k, dtxt_k = carry
-    ga = jax.lax.dynamic_slice(g_rows, (0, ((me - k) % d) * n), (n, n))
-    gbt = jax.lax.dynamic_slice(g_k, (0, me * n), (n, n))
+  def grads(k, txt_k, mask_k):
+    src = ((me - k) % d) * n
+    ga = jax.lax.dynamic_slice(g_rows, (0, src), (n, n))
+    gbt = jax.lax.dynamic_slice(g_cols, (src, 0), (n, n))
     _, vjp = jax.vjp(lambda i, t: _tile_scores(i, t, mask_k, block), img, txt_k)
     di, dt = vjp((ga, gbt))
-    return (dimg + di.astype(F32),
-            *jax.lax.ppermute((txt_k, mask_k, g_k, dtxt_k + dt.astype(F32)), axes, _ring(d)))
+    return di.astype(F32), dt.astype(F32)
 
-  init = (_varying(jnp.zeros(img.shape, F32), axes), txt, maskf, g_t2i, _varying(jnp.zeros(txt.shape, F32), axes))
-  dimg, _, _, _, dtxt = jax.lax.fori_loop(0, d, hop, init)
-  return dimg.astype(img.dtype), dtxt.astype(txt.dtype), jnp.zeros_like(maskf)
+  def hop(k, carry):
+    dimg, txt_k, mask_k, dtxt_k = carry
+    nxt = jax.lax.ppermute((txt_k, mask_k), axes, _ring(d))
+    di, dt = grads(k, txt_k, mask_k)
+    return (dimg + di, *nxt, jax.lax.ppermute(dtxt_k + dt, axes, _ring(d)))
+
+  init = (_varying(jnp.zeros(img.shape, F32), axes), txt, maskf, _varying(jnp.zeros(txt.shape, F32), axes))
+  dimg, txt_last, mask_last, dtxt = jax.lax.fori_loop(0, d - 1, hop, init)
+  di, dt = grads(d - 1, txt_last, mask_last)
+  dtxt = jax.lax.ppermute(dtxt + dt, axes, _ring(d))  # the d-th hop brings each tile's gradient home
+  return (dimg + di).astype(img.dtype), dtxt.astype(txt.dtype), jnp.zeros_like(maskf)
 
 
 ring_token_scores.defvjp(_ring_fwd, _ring_bwd)
