@@ -71,6 +71,8 @@ def get_config(variant: str = "synthetic"):
     c.optimizer.lr = 5e-5
     # PEFT's LoRA / DoRA train the adapters only: CLIP's logit scale stays at the start's (docs/frameworks.md).
     c.optimizer.train_logit_scale = False
+    if method == "dora":  # DoRA as its authors (§4.3) and PEFT run it: the column norm detached in the backward
+      c.finetune.dora_detach_norm = True
   if framework == "finelip":
     # FineLIP's released recipe (ffa-ti-ma/FineLIP train/arguments.py): backbone lr 1e-6, the aggregation modules
     # 2e-4 (x200), weight decay 0.01, 200 warmup steps, 6 epochs; its hinge instead of the token term, with L_HN as

@@ -13,10 +13,12 @@ from hnclip_jax.models.clip import PRESETS
 # stored with a checkpoint's model, and free to change between runs of the same workdir.
 RUNTIME_FIELDS = ("dtype", "remat", "attention")
 # CLIPConfig fields set from config.finetune (not config.model); the dropout rate is a run setting, not architecture.
-ADAPTER_FIELDS = ("adapter", "adapter_rank", "adapter_alpha", "adapter_targets", "adapter_dropout")
+ADAPTER_FIELDS = ("adapter", "adapter_rank", "adapter_alpha", "adapter_targets", "adapter_dropout",
+                  "adapter_detach_norm")
 # CLIPConfig fields set from config.framework / config.finelip (FineLIP's token aggregators).
 FRAMEWORK_FIELDS = ("aggregate_tokens", "aggregate_hidden_ratio")
-MODEL_RUNTIME_FIELDS = RUNTIME_FIELDS + ("adapter_dropout",)  # not in model.json, not compared on resume
+# Not in model.json, not compared on resume: how adapters train, not what they are.
+MODEL_RUNTIME_FIELDS = RUNTIME_FIELDS + ("adapter_dropout", "adapter_detach_norm")
 
 
 def model_config(preset: str = "tiny", **overrides) -> ml_collections.ConfigDict:
@@ -93,8 +95,11 @@ def base_config() -> ml_collections.ConfigDict:
   # finetune.method: "full" (every parameter), "lora" or "dora" (adapters of rank `rank`, update scale alpha / rank,
   # on the dense layers whose module path matches one of `targets`, e.g. "attn/(q|v)$" or "^text/.*fc1$"; everything
   # else frozen). dropout: on the adapter branch's input in training (a key per step from config.seed; none in eval).
+  # dora_detach_norm: DoRA's column norm ||W0 + BA||_c as a constant in the backward pass (the DoRA paper §4.3 and
+  # PEFT's implementation; False: gradients flow through it).
   c.finetune = ml_collections.ConfigDict({"method": "full", "rank": 16, "alpha": 16.0, "dropout": 0.0,
-                                          "targets": (r"attn/(q|k|v|out)$", r"fc1$", r"fc2$"), "freeze": ()})
+                                          "targets": (r"attn/(q|k|v|out)$", r"fc1$", r"fc2$"), "freeze": (),
+                                          "dora_detach_norm": False})
   # framework: which fine-tuning framework's objective (docs/frameworks.md). "longclip": the global term L_HN (+ the
   # token term if config.loss.token_weight > 0) on the whole model, as Long-CLIP fine-tunes. "finelip": FineLIP's
   # token aggregation modules and late-interaction hinge (config.finelip), with L_HN as its global term. "goal":
@@ -266,7 +271,7 @@ def check_benchmarks(config) -> None:
                          f" (a benchmark takes config.data's keys and 'split')")
 
 
-ADAPTER_SETTINGS = ("rank", "alpha", "dropout", "targets")  # config.finetune keys only LoRA / DoRA read
+ADAPTER_SETTINGS = ("rank", "alpha", "dropout", "targets", "dora_detach_norm")  # only LoRA / DoRA read these
 # config.loss keys only the token term reads (token_weight > 0); FineLIP's aggregators read the first two as well.
 TOKEN_SETTINGS = ("token_layer", "token_image_cls", "token_logit_scale", "token_margin", "token_schedule")
 TOKEN_SCHEDULES = ("gather", "ring")
@@ -314,8 +319,13 @@ def adapter_fields(config) -> dict:
       raise ValueError(f"{', '.join(unused)} set, but config.finetune.method='full' trains every weight and adds no "
                        "adapters: these apply only with method 'lora' or 'dora'. Set the method, or drop them")
     return {"adapter": "none"}
+  detach = bool(ft.get("dora_detach_norm", False))
+  if detach and ft.method != "dora":
+    raise ValueError(f"config.finetune.dora_detach_norm=True set, but config.finetune.method={ft.method!r}: it "
+                     "applies to DoRA's column norm only. Set method 'dora', or drop it")
   return {"adapter": FINETUNE_METHODS[ft.method], "adapter_rank": int(ft.rank), "adapter_alpha": float(ft.alpha),
-          "adapter_targets": "|".join(f"(?:{t})" for t in targets), "adapter_dropout": float(ft.dropout)}
+          "adapter_targets": "|".join(f"(?:{t})" for t in targets), "adapter_dropout": float(ft.dropout),
+          "adapter_detach_norm": detach}
 
 
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

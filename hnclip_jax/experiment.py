@@ -47,10 +47,12 @@ def maybe_initialize_distributed() -> None:
 
 
 def runtime(cfg: CLIPConfig, config) -> CLIPConfig:
-  """`cfg` with this run's compute settings (config.dtype, config.remat, config.attention) and adapter dropout
-  (config.finetune.dropout)."""
+  """`cfg` with this run's compute settings (config.dtype, config.remat, config.attention) and how its adapters
+  train (config.finetune.dropout, .dora_detach_norm)."""
   dropout = float(config.finetune.dropout) if cfg.adapter != "none" else 0.0
-  cfg = dataclasses.replace(cfg, adapter_dropout=dropout, **{k: config[k] for k in RUNTIME_FIELDS}).validate()
+  detach = bool(config.finetune.get("dora_detach_norm", False)) and cfg.adapter == "dora"
+  cfg = dataclasses.replace(cfg, adapter_dropout=dropout, adapter_detach_norm=detach,
+                            **{k: config[k] for k in RUNTIME_FIELDS}).validate()
   if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
     raise ValueError(f"config.attention='cudnn' needs an NVIDIA GPU; this run's backend is "
                      f"{jax.default_backend()}. Use config.attention='auto'")

@@ -64,6 +64,40 @@ def test_layers_match_numpy(cls):
   np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x))), want, rtol=1e-5, atol=1e-5)
 
 
+def test_dora_detached_norm_gradients_match_numpy():
+  """config.finetune.dora_detach_norm (the DoRA paper §4.3, PEFT): ||V||_c is a constant in the backward pass. With
+  L = Σ y ⊙ R and ρ = m / ||V||_c: dL/dm = Σ_i R (x V) / ||V||_c, dL/dA = s xᵀ (R ρ) Bᵀ, dL/dB = s (x A)ᵀ (R ρ),
+  dL/dW = xᵀ (R ρ) (float64 NumPy). The forward is unchanged, and the gradients differ from the undetached ones."""
+  r = np.random.default_rng(3)
+  w, b, a, bb = (r.normal(size=sh).astype(np.float32) for sh in ((6, 5), (5,), (6, 2), (2, 5)))
+  m = r.uniform(0.5, 2.0, 5).astype(np.float32)
+  x, rr = r.normal(size=(3, 6)).astype(np.float32), r.normal(size=(3, 5)).astype(np.float32)
+
+  def grads(detach):
+    layer = DoRALinear(6, 5, scale=1.5, lora_rank=2, detach_norm=detach, rngs=nnx.Rngs(0))
+    layer.kernel[...], layer.bias[...], layer.lora.lora_a[...], layer.lora.lora_b[...] = w, b, a, bb
+    layer.magnitude[...] = m
+    graphdef, params = nnx.split(layer, nnx.Param)
+    f = lambda p: jnp.sum(nnx.merge(graphdef, p)(jnp.asarray(x)) * rr)  # noqa: E731
+    y = nnx.merge(graphdef, params)(jnp.asarray(x))
+    g = jax.grad(f)(params)
+    return np.asarray(y), {"m": g["magnitude"][...], "a": g["lora"]["lora_a"][...], "b": g["lora"]["lora_b"][...],
+                           "w": g["kernel"][...]}
+
+  y_det, got = grads(True)
+  y_plain, plain = grads(False)
+  x64, w64, a64, b64, m64, r64 = (v.astype(np.float64) for v in (x, w, a, bb, m, rr))
+  v = w64 + 1.5 * a64 @ b64
+  norm = np.linalg.norm(v, axis=0)
+  rho = m64 / norm
+  want = {"m": np.sum(r64 * (x64 @ v), axis=0) / norm, "a": 1.5 * x64.T @ (r64 * rho) @ b64.T,
+          "b": 1.5 * (x64 @ a64).T @ (r64 * rho), "w": x64.T @ (r64 * rho)}
+  for k in want:
+    np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+  np.testing.assert_array_equal(y_det, y_plain)
+  assert max(np.max(np.abs(np.asarray(plain[k]) - want[k])) for k in ("a", "b", "w")) > 1e-2
+
+
 @pytest.mark.parametrize("cls", [LoRALinear, DoRALinear])
 def test_adapter_dropout_matches_numpy(cls):
   """Dropout on the adapter branch's input (training only): LoRA y = x W + b + s·drop(x) A B; DoRA as PEFT does it,

@@ -155,6 +155,8 @@ def test_full_objective_with_token_term_trains_and_resumes(tmp_path, tfds_dir):
     ("--config.loss.token_margin=true", "config.loss.token_margin=True set, but config.loss.token_weight=0 turns the "
                                         "token term off"),
     ("--config.loss.token_layer=-2", "config.loss.token_layer=-2 set, but config.loss.token_weight=0"),
+    ("--config.finetune.dora_detach_norm=true", "config.finetune.dora_detach_norm=True set, but "
+                                                "config.finetune.method='full'"),
     ("--config.loss.token_schedule=rng", "config.loss.token_schedule='rng'; choose one of ['gather', 'ring']"),
 ])
 def test_bad_config_is_named(tmp_path, override, message):

@@ -61,6 +61,9 @@ class CLIPConfig:
   adapter_alpha: float = 16.0
   adapter_targets: str = r"attn/(q|k|v|out)$|fc1$|fc2$"
   adapter_dropout: float = 0.0  # dropout on the adapter branch's input, in training only
+  # DoRA: treat the column norm ||V||_c as a constant in the backward pass (the DoRA paper's §4.3 and PEFT do; it
+  # changes gradients, not the forward). A training setting like the dropout: not stored in model.json.
+  adapter_detach_norm: bool = False
   # FineLIP's token aggregation (config.framework="finelip" sets these from config.finelip): each tower gets a
   # module that turns its projected tokens into `aggregate_tokens` soft-assigned tokens (0: no module), through an
   # MLP of hidden width int(aggregate_hidden_ratio * embed_dim). See `TokenAggregation`.
@@ -159,15 +162,19 @@ class DoRALinear(nnx.LoRALinear):
   batch only meets W, A and B, so a frozen W gets no [in, out] weight-gradient matmul over the batch (only the
   norms' gradient, which does not grow with the batch)."""
 
-  def __init__(self, in_features, out_features, *, scale: float, dropout: float = 0.0, **kwargs):
+  def __init__(self, in_features, out_features, *, scale: float, dropout: float = 0.0, detach_norm: bool = False,
+               **kwargs):
     super().__init__(in_features, out_features, **kwargs)
-    self.scale, self.dropout = scale, dropout
+    self.scale, self.dropout, self.detach_norm = scale, dropout, detach_norm
     self.magnitude = nnx.Param(jnp.ones((out_features,), jnp.float32))
 
   def __call__(self, x, rng=None):
     w0 = self.kernel[...].astype(jnp.float32)
     a, b_lora = self.lora.lora_a[...], self.lora.lora_b[...]
-    ratio = self.magnitude[...] / column_norm(w0 + self.scale * (a @ b_lora))  # m / ||V||_c, [out]
+    norm = column_norm(w0 + self.scale * (a @ b_lora))  # ||V||_c, [out]
+    if self.detach_norm:  # a constant in the backward pass (DoRA §4.3, PEFT): no gradient through the norm
+      norm = jax.lax.stop_gradient(norm)
+    ratio = self.magnitude[...] / norm  # m / ||V||_c
     dt = self.dtype or x.dtype
     x = x.astype(dt)
     bias = self.bias[...].astype(dt) if self.bias is not None else 0
@@ -197,9 +204,10 @@ def dense_factory(cfg, dtype, rngs):
 
   def dense(path, din, dout, init):
     if pattern is not None and pattern.search(path):
-      cls = LoRALinear if cfg.adapter == "lora" else DoRALinear
+      cls, extra = ((LoRALinear, {}) if cfg.adapter == "lora" else
+                    (DoRALinear, {"detach_norm": cfg.adapter_detach_norm}))
       return cls(din, dout, scale=cfg.adapter_alpha / cfg.adapter_rank, dropout=cfg.adapter_dropout,
-                 lora_rank=cfg.adapter_rank, lora_dtype=dtype, kernel_init=init, dtype=dtype, rngs=rngs)
+                 lora_rank=cfg.adapter_rank, lora_dtype=dtype, kernel_init=init, dtype=dtype, rngs=rngs, **extra)
     return nnx.Linear(din, dout, kernel_init=init, dtype=dtype, rngs=rngs)
 
   return dense
