@@ -29,3 +29,9 @@ run v5p:2x4x4 32x1x1 batch_size=32768 grad_accum_steps=16 remat=full,none loss.t
 # FSDP instead of remat at 1k on v5e-16 (the parameters and AdamW state sharded over 4 or 16 chips).
 run v5e:4x4 4x4x1,1x16x1 batch_size=1024 grad_accum_steps=1 remat=none loss.token_weight=1
 run v5e:4x4 1x16x1 batch_size=1024 grad_accum_steps=1 remat=full loss.token_weight=1
+# The token term's ring schedule (loss.token_schedule=ring) at the sizes where gathering the caption tokens does
+# not fit or dominates (docs/sharding.md, "The token term's ring schedule").
+run v5e:4x4 16x1x1 batch_size=8192 grad_accum_steps=8 remat=full loss.token_weight=1 loss.token_schedule=ring
+run v5e:4x4 16x1x1 batch_size=32768 grad_accum_steps=32 remat=full loss.token_weight=1 loss.token_schedule=ring
+run v5p:2x4x4 32x1x1 batch_size=8192 grad_accum_steps=4 remat=full loss.token_weight=1 loss.token_schedule=ring
+run v5p:2x4x4 32x1x1 batch_size=32768 grad_accum_steps=16 remat=full loss.token_weight=1 loss.token_schedule=ring
