@@ -50,7 +50,7 @@ def runtime(cfg: CLIPConfig, config) -> CLIPConfig:
   """`cfg` with this run's compute settings (config.dtype, config.remat, config.attention) and how its adapters
   train (config.finetune.dropout, .dora_detach_norm)."""
   dropout = float(config.finetune.dropout) if cfg.adapter != "none" else 0.0
-  detach = bool(config.finetune.get("dora_detach_norm", False)) and cfg.adapter == "dora"
+  detach = cfg.adapter == "dora" and bool(config.finetune.get("dora_detach_norm", False))
   cfg = dataclasses.replace(cfg, adapter_dropout=dropout, adapter_detach_norm=detach,
                             **{k: config[k] for k in RUNTIME_FIELDS}).validate()
   if cfg.attention == "cudnn" and jax.default_backend() != "gpu":

@@ -230,8 +230,10 @@ def ring_token_scores(img, txt, maskf, axes, d: int, block: int):
     nxt = jax.lax.ppermute((txt_k, mask_k), axes, _ring(d))  # in flight while the tile at hand is scored
     return (*score(k, rows, cols, txt_k, mask_k), *nxt)
 
-  init = (_varying(jnp.zeros((n, n * d), F32), axes), _varying(jnp.zeros((n * d, n), F32), axes), txt, maskf)
-  rows, cols, txt_last, mask_last = jax.lax.fori_loop(0, d - 1, hop, init)
+  carry = (_varying(jnp.zeros((n, n * d), F32), axes), _varying(jnp.zeros((n * d, n), F32), axes), txt, maskf)
+  for k in range(d - 1):  # unrolled: no collective inside a loop (XLA:CPU may then order them differently per device)
+    carry = hop(k, carry)
+  rows, cols, txt_last, mask_last = carry
   rows, cols = score(d - 1, rows, cols, txt_last, mask_last)
   return rows, jax.lax.all_to_all(cols, axes, 0, 1, tiled=True)
 
@@ -264,8 +266,10 @@ def _ring_bwd(axes, d, block, res, cotangents):
     di, dt = grads(k, txt_k, mask_k)
     return (dimg + di, *nxt, jax.lax.ppermute(dtxt_k + dt, axes, _ring(d)))
 
-  init = (_varying(jnp.zeros(img.shape, F32), axes), txt, maskf, _varying(jnp.zeros(txt.shape, F32), axes))
-  dimg, txt_last, mask_last, dtxt = jax.lax.fori_loop(0, d - 1, hop, init)
+  carry = (_varying(jnp.zeros(img.shape, F32), axes), txt, maskf, _varying(jnp.zeros(txt.shape, F32), axes))
+  for k in range(d - 1):  # unrolled, as in the forward
+    carry = hop(k, carry)
+  dimg, txt_last, mask_last, dtxt = carry
   di, dt = grads(d - 1, txt_last, mask_last)
   dtxt = jax.lax.ppermute(dtxt + dt, axes, _ring(d))  # the d-th hop brings each tile's gradient home
   return (dimg + di).astype(img.dtype), dtxt.astype(txt.dtype), jnp.zeros_like(maskf)

@@ -500,18 +500,20 @@ def out_of_memory(message: str):
   return {"fits": False, "compiler_refused": first[:300], "required_bytes": need, "usable_hbm_bytes": have}
 
 
-# Without config.init_from there is no data here to fit a tokenizer on: the vocabulary is CLIP's BPE.
-CLIP_BPE_SIZES = types.SimpleNamespace(vocab_size=49408, eot_id=49407, kind="CLIP BPE")
+CLIP_BPE_VOCAB = 49408
 
 
 def model_for(config):
   """The architecture the run would train, built by the functions train.py uses (experiment.pretrained_start,
-  experiment.model_config): config.init_from's (read from the weights) or config.model (a vocabulary size 0 / end
-  token -1 means the CLIP BPE tokenizer's 49,408 / 49,407, since there is no data to fit one on)."""
+  experiment.model_config): config.init_from's (read from the weights) or config.model. Without weights there is
+  no data here to fit a tokenizer on: a vocabulary size 0 / end token -1 means the CLIP BPE tokenizer's 49,408 /
+  the last id; sizes the config gives are taken as they are."""
   from hnclip_jax import experiment
   if config.init_from:
     return experiment.pretrained_start(config)[0]
-  return experiment.model_config(config, CLIP_BPE_SIZES)
+  vocab = config.model.vocab_size or CLIP_BPE_VOCAB
+  eot = config.model.eot_token_id if config.model.eot_token_id >= 0 else vocab - 1
+  return experiment.model_config(config, types.SimpleNamespace(vocab_size=vocab, eot_id=eot, kind="assumed"))
 
 
 def _gb(x):
