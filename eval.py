@@ -18,7 +18,6 @@ if __name__ == "__main__":  # first, before anything imports JAX: re-exec under 
   from hnclip_jax import hostmem
   hostmem.use_tcmalloc()
 
-import json
 import os
 
 from absl import app, flags
@@ -143,12 +142,11 @@ def main(argv):
   job.log_rows(rows, named=bool(FLAGS.benchmarks))
   if FLAGS.benchmarks:
     tab = bench_lib.table(rows)
-    for r, b in zip(rows, benchmarks):
-      wd.record_eval(r, {"data": dict(b.data)}, latest=False)
+    for i, (r, b) in enumerate(zip(rows, benchmarks)):  # eval_results.json: the table (a failed write: one line)
+      wd.record_eval(r, {"data": dict(b.data)}, latest=tab if i == len(rows) - 1 else False)
     md = job.write_table(wd, tab)
     if jax.process_index() == 0:
       print(md, flush=True)
-      storage.write_text_atomic(wd.eval_results, json.dumps(tab, indent=2))
   else:
     wd.record_eval(rows[0], {"data": dict(benchmarks[0].data)})
   if FLAGS.report and jax.process_index() == 0:

@@ -170,23 +170,17 @@ def export_best(wd: Workdir, params, model_cfg, tokenizer, info: dict) -> None:
   shutil.rmtree(old, ignore_errors=True)
 
 
-def finished_steps(directory: str) -> list[int]:
-  """Steps whose checkpoint is complete: its directory renamed to the step (or committed, on object stores)."""
+def finished_steps(wd: Workdir) -> list[int]:
+  """The workdir's checkpoint steps that Orbax has finalised (renamed to the step, or committed on object stores)."""
   from orbax.checkpoint import step as ocp_step
-  try:
-    names = os.listdir(directory)
-  except OSError:
-    return []
   out = []
-  for d in names:
-    path = os.path.join(directory, d)
-    if d.isdigit() and os.path.isdir(path):
-      try:
-        if ocp_step.is_checkpoint_finalized(path):
-          out.append(int(d))
-      except Exception:  # noqa: BLE001 — deleted while we looked
-        pass
-  return sorted(out)
+  for s in wd.checkpoint_steps():
+    try:
+      if ocp_step.is_checkpoint_finalized(os.path.join(wd.checkpoints, str(s))):
+        out.append(s)
+    except Exception:  # noqa: BLE001 — deleted while we looked
+      pass
+  return out
 
 
 def watched_steps(rows: list[dict], benchmarks: list, score: str) -> set[int]:
@@ -248,7 +242,7 @@ def watch(ev: Evaluator, *, poll_s: float, timeout_s: float, newest_only: bool, 
   seen = set(done)
   try:
     while True:
-      steps = finished_steps(ev.ckpt.directory)
+      steps = finished_steps(wd)
       if set(steps) - seen:
         last_new = clock()
         seen |= set(steps)
@@ -303,7 +297,7 @@ def watch(ev: Evaluator, *, poll_s: float, timeout_s: float, newest_only: bool, 
                                                      if is_best else f" (best: step {best['step']}, {best['value']:.2f})"))
       done.add(step)
       evaluated.append(step)
-      if _is_final(ev, step, meta) and not [s for s in finished_steps(ev.ckpt.directory) if s > step]:
+      if _is_final(ev, step, meta) and not [s for s in finished_steps(wd) if s > step]:
         log(f"the final step {step} is evaluated; stopping")  # (a resume may have raised total_steps since)
         break
   finally:
