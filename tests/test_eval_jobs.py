@@ -200,6 +200,8 @@ def test_watcher_follows_training_through_kills_deletions_and_restarts(reference
   logs = {k: open(tmp_path / f"{k}.log", "w+") for k in ("train1", "train2", "watch1", "watch2")}
   # The eval job starts first: it waits for the training run to set up its workdir.
   watcher = _popen(watch, logs["watch1"])
+  _wait(lambda: "waiting for train.py to set up" in open(tmp_path / "watch1.log").read(), 120,
+        "the eval job to wait for the run")  # (started together, training could set up first: nothing to wait for)
   trainer = _popen(train, logs["train1"], {"HNCLIP_FAULT": "kill@5"})
   assert trainer.wait(timeout=300) == -signal.SIGKILL  # killed after step 5 (preempted)
   _wait(lambda: len(_watch_rows(work)) >= 1, 120, "the first watched step")
@@ -211,7 +213,6 @@ def test_watcher_follows_training_through_kills_deletions_and_restarts(reference
   assert trainer.wait(timeout=300) == 0
   assert watcher.wait(timeout=300) == 0  # it ends by itself once the final step is evaluated
   out = {k: (f.seek(0), f.read())[1] for k, f in logs.items()}
-  assert "waiting for train.py to set up" in out["watch1"]
   assert f"the final step {TOTAL} is evaluated; stopping" in out["watch2"]
   assert "resumed from" in out["train2"] and "done:" in out["train2"]
   rows = _watch_rows(work)
