@@ -42,6 +42,9 @@ def group_of(item) -> str:
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "quick: the inner-loop selection (docs/testing.md)")
+  config.addinivalue_line("markers", "registry: installs from the package registries (a fresh virtual environment, "
+                          "libtpu, the CUDA plugin) and the compiles that need them; left out of the README test "
+                          "command by pyproject.toml's `-m 'not registry'`, run by .ci/run (docs/testing.md)")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -330,6 +330,7 @@ def run_tpu_script(script: str):
   return json.loads(proc.stdout.split("RESULT ", 1)[1]), proc
 
 
+@pytest.mark.registry
 def test_tiny_model_compiles_for_v5e_2x2_and_the_report_is_the_compilers():
   res, proc = run_tpu_script(SCRIPT)
   r, mem = res["report"], res["memory"]
@@ -376,6 +377,7 @@ print("RESULT " + json.dumps({"collectives": r["collectives"], "n_params": n_par
 """
 
 
+@pytest.mark.registry
 def test_fsdp_gathers_weights_not_activations():
   """FSDP over 4 v5e chips, a one-block model 256 wide, 64 examples per chip: the step should all-gather weights
   (a few copies of the parameters) and never the blocks' activations. Without the batch constraint on the residual
@@ -388,6 +390,7 @@ def test_fsdp_gathers_weights_not_activations():
   assert coll["all-to-all"]["bytes"] == 0 and coll["all-reduce"]["bytes"] < 0.1 * param_bytes, (coll, param_bytes)
 
 
+@pytest.mark.registry
 def test_a_sweep_records_what_the_tpu_compiler_refuses(tmp_path):
   """A million-example batch needs terabytes per chip: libtpu refuses it at once (seconds); the sweep records each
   layout as not fitting, with the compiler's numbers, and goes on to the next instead of stopping."""
@@ -424,6 +427,7 @@ print("RESULT " + json.dumps({"report": r, "memory": {k: getattr(m, k + "_size_i
 """
 
 
+@pytest.mark.registry
 def test_tiny_model_compiles_for_eight_h100s_without_a_gpu():
   """The CUDA plugin's compiler with a target config in place of a device: the report is its memory analysis;
   data parallelism all-reduces every fp32 gradient (bytes >= parameters x 4); FLOPs come from the whole program."""

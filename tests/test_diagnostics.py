@@ -71,7 +71,7 @@ def test_similarity_stats_and_buckets():
 @pytest.fixture(scope="module")
 def replication(tmp_path_factory, tfds_dir):
   out = tmp_path_factory.mktemp("replication")
-  run_py(["benchmarks/replicate.py", "--quick", "--out", str(out), "--seeds", "0,1", "--gammas", "0,0.5",
+  run_py(["benchmarks/replicate.py", "--quick", "--out", str(out), "--seeds", "0", "--gammas", "0,0.5",
           "--frameworks", "finelip", f"--data_dir={tfds_dir}"], timeout=1200)
   return out
 
@@ -94,10 +94,10 @@ def test_replicate_quick_writes_its_outputs(replication):
   for name, g in res["geometry"].items():
     assert g == json.load(open(replication / name / "summary.json")) and g["text_context"] == 68
 
-  assert all(len(v) == 2 for v in res["by_gamma"]["0.5"].values())  # mean, std
+  assert all(len(v) == 2 for v in res["by_gamma"]["0.5"].values())  # mean, std (over seeds: the test below)
   # --frameworks finelip: FineLIP runs from the same start, their rows in results.json and the table.
   assert set(res["frameworks"]) == {"finelip_gamma0.0", "finelip_gamma0.5"}
-  fl = json.load(open(replication / "ft_fw_finelip_gamma0.5_seed1" / "model.json"))
+  fl = json.load(open(replication / "ft_fw_finelip_gamma0.5_seed0" / "model.json"))
   assert fl["aggregate_tokens"] == 39 and "| 0.5, framework finelip |" in open(replication / "table.md").read()
   for name in ("table.md", "recall_vs_gamma.png", "saturation.png"):
     assert os.path.getsize(replication / name) > 0
@@ -121,6 +121,42 @@ def test_replicate_quick_writes_its_outputs(replication):
   for r in compared:  # the comparison's HN gradient is the train step's gradient on the same batch
     assert r["diag/hn/param_grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
     assert -1 <= r["diag/grad_cosine"] <= 1
+
+
+def test_replication_summaries_over_seeds_and_epochs_match_numpy(tmp_path):
+  """replicate.py's arithmetic on hand-written metrics.jsonl files: mean and std over seeds of the final eval row,
+  per-epoch shares and means of logged telemetry (the smoke run above has one seed and one epoch)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("replicate", os.path.join(os.path.dirname(__file__), "..",
+                                                                          "benchmarks", "replicate.py"))
+  rep = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(rep)
+  r = np.random.default_rng(0)
+  finals, dirs = [], []
+  for seed in range(3):
+    w = tmp_path / f"seed{seed}"
+    w.mkdir()
+    recall = {f"eval/{d}/R@{k}": float(r.uniform(0, 100)) for d in ("t2i", "i2t") for k in (1, 5, 10)}
+    early = {k: v / 2 for k, v in recall.items()}  # an earlier eval row: only the last one counts
+    logs = [{"step": s, "diag/hn/loss": float(r.uniform(0, 2e-3)), "diag/hn/saturated_frac": float(r.uniform())}
+            for s in range(1, 9)]
+    with open(w / "metrics.jsonl", "w") as f:
+      for row in [*logs[:4], {"step": 4, **early}, *logs[4:], {"step": 8, **recall}]:
+        f.write(json.dumps(row) + "\n")
+    finals.append(recall)
+    dirs.append(str(w))
+  got = rep.mean_std(dirs)
+  for k in ("t2i/R@1", "i2t/R@10"):
+    vals = np.array([f[f"eval/{k}"] for f in finals], np.float64)
+    np.testing.assert_allclose(got[k], [vals.mean(), np.sqrt(((vals - vals.mean()) ** 2).mean())], rtol=1e-12)
+  rows = [json.loads(line) for line in open(tmp_path / "seed0" / "metrics.jsonl") if "diag/hn/loss" in line]
+  losses_ = np.array([row["diag/hn/loss"] for row in rows])
+  fracs = np.array([row["diag/hn/saturated_frac"] for row in rows])
+  # 3 steps per epoch: steps 1-3, 4-6, 7-8
+  assert rep.per_epoch(dirs[0], 3, "diag/hn/loss", lambda v: v < 1e-3) == pytest.approx(
+      {1: np.mean(losses_[:3] < 1e-3), 2: np.mean(losses_[3:6] < 1e-3), 3: np.mean(losses_[6:] < 1e-3)})
+  assert rep.per_epoch_mean(dirs[0], 3, "diag/hn/saturated_frac") == pytest.approx(
+      {1: fracs[:3].mean(), 2: fracs[3:6].mean(), 3: fracs[6:].mean()})
 
 
 def test_caption_geometry_report(replication, tmp_path, tfds_dir):

@@ -148,7 +148,7 @@ def test_finelip_objective_value_and_gradients_match_numpy(reduction, global_wei
                              rtol=1e-3, atol=1e-5)
   np.testing.assert_allclose(g["txt_agg"], w * _numeric_grad(lambda x: hinge(out["img_agg"], x), out["txt_agg"]),
                              rtol=1e-3, atol=1e-5)
-  _, aux = obj(out, MESH, 2)
+  _, aux = jax.jit(lambda o: obj(o, MESH, 2))(out)
   np.testing.assert_allclose(aux["terms"]["fine"], hinge(out["img_agg"], out["txt_agg"]), rtol=1e-5)
   # Each example's share: ½(i2t + t2i) of L_HN (weighted) plus its rows of the hinge; they add up to B·w_g·L_HN + w·hinge.
   np.testing.assert_allclose(np.sum(aux["per_example"]), 6 * global_weight * hn + w * hinge(out["img_agg"], out["txt_agg"]),
@@ -159,11 +159,14 @@ def test_ramp_runs_from_zero_to_the_full_weight():
   out = _outputs(4)
   obj = Objective(gamma=0.5, finelip_weight=1.0, finelip_ramp_steps=10)
   hn = float(np_reference(out["img"], out["txt"], float(out["scale"]), 0.5)[0])
-  fine = float(obj(out, MESH, 0)[1]["terms"]["fine"])
+  at = jax.jit(lambda o, step: obj(o, MESH, step))  # the step traced, as in the train step: one compile
+  fine = float(at(out, 0)[1]["terms"]["fine"])
   assert fine > 0
-  for step, ramp in ((0, 0.0), (5, 0.5), (10, 1.0), (1000, 1.0), (None, 1.0)):
-    np.testing.assert_allclose(obj(out, MESH, step)[0], hn + ramp * fine, rtol=1e-5)
-  np.testing.assert_allclose(obj.replace(finelip_ramp_steps=0)(out, MESH, 0)[0], hn + fine, rtol=1e-5)
+  for step, ramp in ((0, 0.0), (5, 0.5), (10, 1.0), (1000, 1.0)):
+    np.testing.assert_allclose(at(out, step)[0], hn + ramp * fine, rtol=1e-5)
+  np.testing.assert_allclose(jax.jit(lambda o: obj(o, MESH, None)[0])(out), hn + fine, rtol=1e-5)  # no step: full
+  np.testing.assert_allclose(jax.jit(lambda o: obj.replace(finelip_ramp_steps=0)(o, MESH, 0)[0])(out), hn + fine,
+                             rtol=1e-5)
 
 
 def test_gamma_zero_finelip_is_its_own_infonce_plus_hinge():
@@ -193,12 +196,16 @@ def test_model_aggregates_cls_plus_k_patches_and_k_words_plus_end_token():
   """img_agg = [CLS, K aggregated patches], txt_agg = [K aggregated tokens start..last word, end token], each
   L2-normalised, from the towers' projected tokens; padding and the end token take no part in the aggregation."""
   graphdef, params = init_params(TINY, 0)
-  model = bind(graphdef, params)
   images, tokens, lengths = _batch()
-  out = model(images, tokens, token_layer=-1, aggregate=True)
+
+  @jax.jit  # (one compile instead of op-by-op dispatch)
+  def run(params, images, tokens):
+    model = bind(graphdef, params)
+    return (model(images, tokens, token_layer=-1, aggregate=True), model.image_tower(images, -1)[1],
+            model.text_tower(tokens, -1)[1])
+
+  out, img_tok, txt_tok = run(params, images, tokens)
   assert out["img_agg"].shape == (5, 4, 8) and out["txt_agg"].shape == (5, 4, 8)
-  _, img_tok = model.image_tower(images, -1)
-  _, txt_tok = model.text_tower(tokens, -1)
   img_tok, txt_tok = np.asarray(img_tok, np.float64), np.asarray(txt_tok, np.float64)
   p = jax.tree.map(np.asarray, params)
   want_img = np.concatenate([img_tok[:, :1], np_aggregate(img_tok[:, 1:], None, p["image_aggregator"])], 1)

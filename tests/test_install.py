@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import CACHE, ROOT
 
 
@@ -17,6 +19,7 @@ def sh(args, *, cwd=ROOT, env=None, timeout=900):
   return proc
 
 
+@pytest.mark.registry
 def test_readme_install_in_a_fresh_venv(tmp_path, tfds_dir):
   venv = tmp_path / "venv"
   sh([sys.executable, "-m", "venv", str(venv)])
