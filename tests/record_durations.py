@@ -2,6 +2,8 @@
 slowest work out first with it. Refresh after adding slow tests:
 
   python -m pytest -q tests --junitxml=/tmp/junit.xml && python tests/record_durations.py /tmp/junit.xml
+
+Tests the report does not hold (the `registry` ones a plain run leaves out) keep their recorded times.
 """
 import json
 import os
@@ -11,12 +13,16 @@ import xml.etree.ElementTree as ET
 
 
 def main(path: str) -> None:
-  times = {}
+  out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+  try:
+    with open(out) as f:
+      times = json.load(f)
+  except OSError:
+    times = {}
   for case in ET.parse(path).iter("testcase"):
     module = case.get("classname").replace(".", "/") + ".py"
     name = re.sub(r"@[\w.-]+$", "", case.get("name"))  # the xdist group suffix
     times[f"{module}::{name}"] = round(float(case.get("time")), 1)
-  out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
   with open(out, "w") as f:
     json.dump(dict(sorted(times.items())), f, indent=0)
     f.write("\n")
