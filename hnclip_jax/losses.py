@@ -1,4 +1,5 @@
-"""The math of the objective's terms: HN-CLIP (paper Eq. 2), the FILIP token term (Eq. 3) and FineLIP's hinge.
+"""The math of the objective's terms: HN-CLIP (paper Eq. 2), the FILIP token term (Eq. 3), FineLIP's hinge,
+GOAL's and StructXLIP's terms, and the margin in SigLIP's sigmoid loss (HN-SigLIP).
 
 Everything here is a pure function of L2-normalised features, written for a *block of rows* of the global batch
 against the whole batch: the single-device losses below call the row functions with all rows, and the mesh
@@ -81,6 +82,55 @@ def contrastive_rows(img_rows, txt_rows, img_all, txt_all, logit_scale, gamma, r
   mine = jax.lax.dynamic_slice_in_dim(valid_all, row_offset, img_rows.shape[0])
   ce = lambda logits: jnp.where(mine, _cross_entropy(jnp.where(keep, logits, _NEG), is_pos), 0.0)  # noqa: E731
   return ce(l_rows), ce(l_cols)
+
+
+# The sigmoid loss (SigLIP, Zhai et al. 2023) with the margin: every image-caption pair is its own binary problem.
+def _sigmoid_block(img_rows, txt_cols, txt_rows, logit_scale, logit_bias, gamma, row_offset, col_offset):
+  """[n, m] -log σ(y_ij·z_ij) of `n` image rows (global positions row_offset ..) against `m` captions (col_offset ..):
+  z_ij = t·(S_ij + γ·Ḡ_ij) + b, y = +1 for the positive pair (i = j) and -1 otherwise; Ḡ_ij = stop_gradient(
+  txt_i·txt_j), 0 at the positive (txt_rows: the rows' own captions)."""
+  is_pos = (row_offset + jnp.arange(img_rows.shape[0]))[:, None] == (col_offset + jnp.arange(txt_cols.shape[0]))[None]
+  s = sims(img_rows.astype(F32), txt_cols.astype(F32), "nd,md->nm")
+  if has_margin(gamma):
+    s = s + _margin(txt_rows, txt_cols, gamma, is_pos)
+  z = logit_scale.astype(F32) * s + logit_bias.astype(F32)
+  return -jax.nn.log_sigmoid(jnp.where(is_pos, z, -z))
+
+
+def sigmoid_rows(img_rows, txt_rows, txt_all, logit_scale, logit_bias, gamma, row_offset):
+  """Per-example losses of HN-SigLIP for a block of image rows against every caption of the (global) batch:
+  row i is Σ_j -log σ(y_ij·z_ij), z_ij = t·(S_ij + γ·Ḡ_ij) + b (see `_sigmoid_block`). The batch loss is their sum
+  over the whole batch divided by B (big_vision's average: over images of the sum over captions). There is one
+  direction only: the pairs are scored once, each as its own binary problem. A Python γ = 0 is the plain SigLIP
+  loss exactly. img_rows, txt_rows: [n, D] rows `row_offset ..`; txt_all: [B, D]. Returns [n] fp32."""
+  return jnp.sum(_sigmoid_block(img_rows, txt_all, txt_rows, logit_scale, logit_bias, gamma, row_offset, 0), axis=1)
+
+
+def sigmoid_rows_ring(img_rows, txt_rows, logit_scale, logit_bias, gamma, row_offset, axes, num_devices: int):
+  """`sigmoid_rows` on a mesh without gathering the captions (big_vision's chunked schedule): inside `shard_map`
+  over the batch axes `axes`, each device scores its n images against the caption chunk at hand while sending that
+  chunk on to the next device (`ppermute`); after num_devices - 1 hops every chunk has visited every device, and
+  no device ever holds the [B, D] captions of an all-gather at once in the forward pass. Autodiff keeps what each
+  hop's backward needs (the visiting chunk and its [n, n] logits: [B, D] and [n, B] over all hops, as the gather
+  schedule holds) and sends the chunks' gradients back around the ring. txt_rows: this device's captions (they
+  also give Ḡ's rows)."""
+  n = img_rows.shape[0]
+  me = jax.lax.axis_index(axes)
+  total, chunk = 0.0, txt_rows
+  for k in range(num_devices):  # unrolled: no collective inside a loop (see ring_token_scores)
+    nxt = jax.lax.ppermute(chunk, axes, _ring(num_devices)) if k < num_devices - 1 else None
+    owner = (me - k) % num_devices  # the device whose captions are at hand
+    total = total + jnp.sum(_sigmoid_block(img_rows, chunk, txt_rows, logit_scale, logit_bias, gamma, row_offset,
+                                           owner * n), axis=1)
+    chunk = nxt
+  return total
+
+
+def siglip_loss(img_emb, txt_emb, logit_scale, logit_bias, gamma=0.0):
+  """HN-SigLIP loss on one device (plain SigLIP for γ = 0). img_emb, txt_emb: [B, D] L2-normalised; logit_scale t
+  and logit_bias b: scalars. Returns the scalar Σ_ij -log σ(y_ij z_ij) / B."""
+  rows = sigmoid_rows(img_emb, txt_emb, txt_emb, jnp.asarray(logit_scale), jnp.asarray(logit_bias), gamma, 0)
+  return jnp.sum(rows) / img_emb.shape[0]
 
 
 def cosine_mse_rows(a, b, valid):
