@@ -59,9 +59,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   import jax
-  from hnclip_jax import config as config_lib, experiment, sharding, storage
+  from hnclip_jax import cli, config as config_lib, experiment, sharding, storage
   from hnclip_jax.data import builders
-  from hnclip_jax.evaluation import benchmarks as bench_lib, job
+  from hnclip_jax.evaluation import benchmarks as bench_lib, embedding, job
   from hnclip_jax.metrics import log, quiet_libraries
   from hnclip_jax.workdir import Workdir
 
@@ -103,8 +103,8 @@ def main(argv):
     benchmarks = [bench_lib.own_data(config, FLAGS.split or config.data.eval_split)]
   for b in benchmarks:
     builders.check_data_config(b.data)
-  experiment.enable_compilation_cache(config.compilation_cache_dir)
-  experiment.maybe_initialize_distributed()
+  cli.enable_compilation_cache(config.compilation_cache_dir)
+  cli.maybe_initialize_distributed()
   if FLAGS.watch and jax.process_count() > 1:
     raise ValueError(f"--watch runs as one process ({jax.process_count()} joined): give it its own devices or a CPU "
                      "host (docs/evaluation.md)")
@@ -164,7 +164,7 @@ def main(argv):
       log(f"report: {page}")
   what = (f"{len(rows)} benchmarks; wrote {os.path.join(workdir, job.EVAL_TABLE)}.md/.json and {wd.eval_results}"
           if FLAGS.benchmarks else
-          f"{experiment.describe_counts(rows[0])} of {experiment.describe_data(benchmarks[0].data)}, split "
+          f"{embedding.describe_counts(rows[0])} of {experiment.describe_data(benchmarks[0].data)}, split "
           f"'{benchmarks[0].split}'; wrote {wd.eval_results}")
   log(f"step {step}, {what} (history: {wd.eval_history})")
   ev.close()

@@ -28,9 +28,10 @@ def main(argv):
   import numpy as np
 
   import hnclip_jax
-  from hnclip_jax import (checkpoint, config as config_lib, diagnostics, experiment, faults, hostmem, preemption,
-                          sharding, storage, train_step)
+  from hnclip_jax import (checkpoint, cli, config as config_lib, diagnostics, experiment, faults, hostmem, optim,
+                          preemption, sharding, storage, train_step)
   from hnclip_jax.data import builders, pipeline
+  from hnclip_jax.evaluation import embedding
   from hnclip_jax.evaluation.retrieval import NonFiniteEmbeddings
   from hnclip_jax.metrics import MetricsWriter, Progress, log, quiet_libraries
   from hnclip_jax.models import init_params
@@ -47,8 +48,8 @@ def main(argv):
                                               training=True)
   experiment.preflight(config)
   storage.check_writable(wd.checkpoints, "the checkpoint directory")  # fail now, not at the first save
-  experiment.enable_compilation_cache(config.compilation_cache_dir)
-  experiment.maybe_initialize_distributed()
+  cli.enable_compilation_cache(config.compilation_cache_dir)
+  cli.maybe_initialize_distributed()
   lock = preemption.WorkdirLock(workdir)
   mesh = sharding.make_mesh(config.mesh)
   rules = sharding.parse_rules(config.mesh.rules)
@@ -105,12 +106,12 @@ def main(argv):
     log(f"frozen parameters stored once in {ckpt.frozen_dir}")
   start = int(state["step"])
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-  n_trained = sum(x.size for x in jax.tree.leaves(train_step.trained_params(state["opt_state"])))
+  n_trained = sum(x.size for x in jax.tree.leaves(optim.trained_params(state["opt_state"])))
   log(f"model: {n_params / 1e6:.2f}M parameters ({n_trained / 1e6:.3f}M trained, finetune.method="
       f"{config.finetune.method}), {model_cfg}")
 
   step_fn = program.step
-  embed_fn = train_step.make_embed_fn(graphdef, mesh, shardings["params"])
+  embed_fn = embedding.make_embed_fn(graphdef, mesh, shardings["params"])
   accum = (config.grad_accum_steps, config.loss.negatives)
   diag_fn = diagnostics.make_batch_diagnostics(graphdef, mesh, objective, *accum) if config.diagnostics.log else None
   compare_fn = (diagnostics.make_gradient_comparison(graphdef, mesh, objective, shardings["params"], *accum)
@@ -133,13 +134,13 @@ def main(argv):
       eval_captions = pipeline.caption_lists(
           builders.data_source(config.data, config.data.eval_split, decode_images=False))
     try:
-      res = experiment.evaluate(state["params"], embed_fn, eval_source, tokenizer, model_cfg, mesh,
+      res = embedding.evaluate(state["params"], embed_fn, eval_source, tokenizer, model_cfg, mesh,
                                 config.eval_batch_size, eval_captions)
     except NonFiniteEmbeddings as e:
       raise ValueError(f"eval at step {step}: {e}") from None
     scalars = {f"eval/{d}/{k}": v for d in ("t2i", "i2t") for k, v in res[d].items()}
     writer.write(step, scalars)
-    log(f"eval @ {step} on {config.data.name}/{config.data.eval_split} ({experiment.describe_counts(res)}): " +
+    log(f"eval @ {step} on {config.data.name}/{config.data.eval_split} ({embedding.describe_counts(res)}): " +
         " ".join(f"{k}={v:.2f}" for k, v in scalars.items()))
 
   def check_finite(nonfinite_steps=None):

@@ -37,10 +37,10 @@ def nbytes(tree) -> int:
 
 
 def sizes(cfg, method, batch):
-  from hnclip_jax import checkpoint, train_step
+  from hnclip_jax import checkpoint, optim
   program, model_cfg, mesh = program_for(cfg, method, batch)
   st = program.abstract_state
-  trained = sum(int(np.prod(x.shape)) for x in train_step.trained_params(st["opt_state"]))
+  trained = sum(int(np.prod(x.shape)) for x in optim.trained_params(st["opt_state"]))
   step_arrays = st if program.frozen is None else {
       **st, "params": checkpoint.prune(st["params"], lambda p: not program.frozen(p))}
   frozen = 0 if program.frozen is None else nbytes(checkpoint.prune(st["params"], program.frozen))

@@ -95,7 +95,7 @@ def make_step(cfg, gamma: float, mesh, opt_overrides=None, loss_overrides=None, 
   """A jitted train step (train_step.make_train_step, the one train.py runs) for model config `cfg` on `mesh`, with
   config.loss.gamma = gamma and the given config.optimizer / config.loss overrides -> (step, tx, state shardings,
   graphdef, run config)."""
-  from hnclip_jax import sharding, train_step
+  from hnclip_jax import optim, sharding, train_step
   from hnclip_jax.config import base_config
   from hnclip_jax.models import abstract_model
   run_cfg = base_config()
@@ -103,11 +103,11 @@ def make_step(cfg, gamma: float, mesh, opt_overrides=None, loss_overrides=None, 
                                    grad_clip_norm=1.0), **(opt_overrides or {})})
   run_cfg.loss.update({"gamma": gamma, "chunk_size": 0, "negatives": "global_batch", **(loss_overrides or {})})
   run_cfg.grad_accum_steps = grad_accum_steps
-  tx = train_step.make_optimizer(run_cfg.optimizer, 1000)
+  tx = optim.make_optimizer(run_cfg.optimizer, 1000)
   graphdef, abstract = abstract_model(cfg)
   state_abs = jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract)
   sh = sharding.state_shardings(state_abs, "params", mesh, sharding.parse_rules(sharding.DEFAULT_RULES))
-  step = train_step.make_train_step(graphdef, tx, mesh, run_cfg, train_step.lr_schedule(run_cfg.optimizer, 1000), sh)
+  step = train_step.make_train_step(graphdef, tx, mesh, run_cfg, optim.lr_schedule(run_cfg.optimizer, 1000), sh)
   return step, tx, sh, graphdef, run_cfg
 
 

@@ -1,6 +1,6 @@
 """Forward+backward time of the pieces of a transformer block, for the code choices that make the CPU step fast:
 attention implementation (config.attention), the token layout of the dense layers ([B, L, W] vs [B*L, W]) and
-XLA:CPU's YNNPACK fusions (train_step.CPU_COMPILER_OPTIONS), with torch 2.13 on the same inputs as the reference.
+XLA:CPU's YNNPACK fusions (sharding.CPU_COMPILER_OPTIONS), with torch 2.13 on the same inputs as the reference.
 Every variant is compiled in the same process and timed in alternating order; each row is the median over the
 repetitions, the ratio the median of the per-repetition ratios to the first row of its group.
 
@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import alternating_times, dump, table  # noqa: E402
 from hnclip_jax import hostmem  # noqa: E402
 from hnclip_jax.models.clip import einsum_attention, quick_gelu  # noqa: E402
-from hnclip_jax.train_step import CPU_COMPILER_OPTIONS  # noqa: E402
+from hnclip_jax.sharding import CPU_COMPILER_OPTIONS  # noqa: E402
 
 
 def compile_grad(f, args, options=None):
@@ -53,7 +53,7 @@ def torch_fns(a, causal, x, w1, w2):
 
 
 def step_fns(batch):
-  """The whole tiny-model train step, compiled with train_step.CPU_COMPILER_OPTIONS and with XLA's defaults."""
+  """The whole tiny-model train step, compiled with sharding.CPU_COMPILER_OPTIONS and with XLA's defaults."""
   import ml_collections
   from benchmarks.common import make_step, random_batch
   from hnclip_jax import sharding, train_step
@@ -62,11 +62,11 @@ def step_fns(batch):
   mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
   data = random_batch(cfg, batch, mesh)
   _, params = init_params(cfg, 0)
-  fns, default = {}, train_step.compiler_options
+  fns, default = {}, sharding.compiler_options
   for name, options in (("off (CPU_COMPILER_OPTIONS)", default), ("on (XLA default)", lambda mesh: None)):
-    train_step.compiler_options = options
+    sharding.compiler_options = options
     step, tx, sh, _, _ = make_step(cfg, 0.5, mesh)
-    train_step.compiler_options = default
+    sharding.compiler_options = default
     holder = [jax.jit(lambda: train_step.init_state(params, tx), out_shardings=sh)()]
 
     def run(step=step, holder=holder):

@@ -1,4 +1,6 @@
-"""Entry-point helper: configuration and input errors end the program with one clear line, not a traceback."""
+"""Entry-point helpers shared by train.py, eval.py and the tools: configuration and input errors end the program with
+one clear line, not a traceback; flag parsing with did-you-mean; process set-up (joining a multi-process job, the
+persistent XLA compilation cache)."""
 from __future__ import annotations
 
 import difflib
@@ -6,6 +8,8 @@ import functools
 import os
 import re
 import sys
+
+import jax
 
 from hnclip_jax import storage
 from hnclip_jax.checkpoint import CheckpointError
@@ -92,3 +96,28 @@ def parse_flags(argv):
       msg = _flag_error(e, argv)
     print(f"error: {msg}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def enable_compilation_cache(cache_dir: str) -> None:
+  """Persistent XLA cache: repeated runs skip recompiling the same programs."""
+  if cache_dir:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def maybe_initialize_distributed() -> None:
+  """Joins a multi-process job: from --coordinator_address/--num_processes/--process_id, the JAX_COORDINATOR_ADDRESS/
+  JAX_NUM_PROCESSES/JAX_PROCESS_ID environment variables, or --distributed (cluster auto-detection on TPU pods/SLURM).
+  """
+  from absl import flags
+  f = flags.FLAGS
+  addr = f.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if addr:
+    num = f.num_processes if f.num_processes is not None else int(os.environ.get("JAX_NUM_PROCESSES", "0"))
+    pid = f.process_id if f.process_id is not None else int(os.environ.get("JAX_PROCESS_ID", "-1"))
+    if num <= 0 or pid < 0:
+      raise ValueError(f"coordinator address {addr} given, but not the process count and id: pass --num_processes "
+                       "and --process_id (or JAX_NUM_PROCESSES and JAX_PROCESS_ID)")
+    jax.distributed.initialize(coordinator_address=addr, num_processes=num, process_id=pid)
+  elif f.distributed:
+    jax.distributed.initialize()

@@ -1,4 +1,7 @@
-"""Set-up shared by train.py and eval.py: XLA cache, tokenizer, model config, checkpoint checks, eval."""
+"""What train.py, eval.py and the tools resolve before anything compiles: the data (and what the workdir recorded of
+it), the model config and its start (pretrained weights, adapters, FineLIP's aggregators), the tokenizer, epoch
+settings, and checkpoint-compatibility errors. Process set-up is in `hnclip_jax.cli`, eval embedding in
+`hnclip_jax.evaluation.embedding`."""
 from __future__ import annotations
 
 import copy
@@ -9,41 +12,13 @@ import ml_collections
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
-from hnclip_jax import sharding
 from hnclip_jax.checkpoint import IncompatibleCheckpoint
 from hnclip_jax.data import builders, pipeline
 from hnclip_jax.data.tokenizer import WordTokenizer
-from hnclip_jax.evaluation import recall_at_k
 from hnclip_jax.config import FRAMEWORK_FIELDS, RUNTIME_FIELDS, adapter_fields, framework_fields
 from hnclip_jax.models import CLIPConfig, adapters
 from hnclip_jax.workdir import DATA_LOCATION_KEYS, Workdir, check_model_compatible, config_changes
-
-
-def enable_compilation_cache(cache_dir: str) -> None:
-  """Persistent XLA cache: repeated runs skip recompiling the same programs."""
-  if cache_dir:
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
-def maybe_initialize_distributed() -> None:
-  """Joins a multi-process job: from --coordinator_address/--num_processes/--process_id, the JAX_COORDINATOR_ADDRESS/
-  JAX_NUM_PROCESSES/JAX_PROCESS_ID environment variables, or --distributed (cluster auto-detection on TPU pods/SLURM).
-  """
-  from absl import flags
-  f = flags.FLAGS
-  addr = f.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-  if addr:
-    num = f.num_processes if f.num_processes is not None else int(os.environ.get("JAX_NUM_PROCESSES", "0"))
-    pid = f.process_id if f.process_id is not None else int(os.environ.get("JAX_PROCESS_ID", "-1"))
-    if num <= 0 or pid < 0:
-      raise ValueError(f"coordinator address {addr} given, but not the process count and id: pass --num_processes "
-                       "and --process_id (or JAX_NUM_PROCESSES and JAX_PROCESS_ID)")
-    jax.distributed.initialize(coordinator_address=addr, num_processes=num, process_id=pid)
-  elif f.distributed:
-    jax.distributed.initialize()
 
 
 def runtime(cfg: CLIPConfig, config) -> CLIPConfig:
@@ -276,51 +251,3 @@ def truncation_report(config, tokenizer) -> str:
           f"than the {tokenizer.context_length}-token context and are truncated")
 
 
-def _embed_rows(params, fn, batches, mesh, name: str, n: int) -> np.ndarray:
-  """Runs `fn` over padded per-process batches; returns [n, ...] on every process, in row order."""
-  embs, rows = [], []
-  for batch in batches:
-    g = sharding.to_global({name: batch[name]}, mesh)
-    embs.append(multihost_utils.process_allgather(fn(params, g[name]), tiled=True))
-    rows.append(multihost_utils.process_allgather(np.where(batch["mask"], batch["index"], -1), tiled=True))
-  emb, row = np.concatenate(embs), np.concatenate(rows)
-  out = np.zeros((n, *emb.shape[1:]), emb.dtype)
-  out[row[row >= 0]] = emb[row >= 0]
-  return out
-
-
-def embed_split(params, encoders, source, tokenizer, model_cfg: CLIPConfig, mesh, batch_size: int, captions=None):
-  """Embeds every image of `source` and every caption -> (img [N_img, E], txt [N_cap, E], caption_image [N_cap])
-  NumPy on every process. `captions`: each example's caption list (`pipeline.caption_lists`), read from `source`
-  when not given (pass it from a source that skips image decoding to avoid decoding twice)."""
-  sharding.check_batch_size(batch_size, mesh, "config.eval_batch_size")
-  local, pi, pc = batch_size // jax.process_count(), jax.process_index(), jax.process_count()
-  captions = pipeline.caption_lists(source) if captions is None else captions
-  if len(captions) != len(source):
-    raise ValueError(f"embed_split: {len(captions)} caption lists for {len(source)} examples")
-  flat = [c for caps in captions for c in caps]
-  caption_image = np.repeat(np.arange(len(captions)), [len(c) for c in captions])
-  img = _embed_rows(params, encoders.images, pipeline.eval_image_batches(
-      source, image_size=model_cfg.image_size, batch_size=local, process_index=pi, process_count=pc), mesh, "image",
-      len(source))
-  txt = _embed_rows(params, encoders.texts, pipeline.eval_text_batches(
-      flat, tokenizer, batch_size=local, process_index=pi, process_count=pc), mesh, "tokens", len(flat))
-  return img, txt, caption_image
-
-
-def describe_counts(res) -> str:
-  if res["num_images"] == res["num_captions"]:
-    return f"{res['num_images']} pairs"
-  return f"{res['num_images']} images, {res['num_captions']} captions"
-
-
-def evaluate(params, encoders, source, tokenizer, model_cfg, mesh, batch_size: int, captions=None) -> dict:
-  """Recall@1/5/10 both ways (COCO protocol when images have several captions) and what was counted."""
-  return retrieval_result(*embed_split(params, encoders, source, tokenizer, model_cfg, mesh, batch_size, captions))
-
-
-def retrieval_result(img, txt, caption_image) -> dict:
-  out = recall_at_k(img, txt, caption_image=caption_image)
-  out["num_images"], out["num_captions"] = int(img.shape[0]), int(txt.shape[0])
-  out["num_pairs"] = out["num_captions"]  # one per image on the paper's benchmarks
-  return out

@@ -190,3 +190,15 @@ def to_global(local_batch: dict, mesh: Mesh) -> dict:
   """Host-local numpy batch (this process's rows) -> global jax.Arrays sharded over the batch axes."""
   sharding = batch_sharding(mesh)
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
+
+
+# XLA:CPU compiles element-wise producers of a matmul (LayerNorm's scale, softmax's 1/sum) into separate
+# materialised broadcasts when its YNNPACK fusions are on; with them off they fuse, the MLP is 7-12% and the whole
+# step a few percent faster on CPU (benchmarks/layers.py, docs/benchmarks.md). Step and embed programs on CPU
+# meshes only.
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def compiler_options(mesh):
+  """XLA compiler options for the programs run on `mesh` (None: XLA's defaults)."""
+  return dict(CPU_COMPILER_OPTIONS) if mesh.devices.flat[0].platform == "cpu" else None

@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hnclip_jax import losses, sharding, train_step
+from hnclip_jax import losses, optim, sharding, train_step
 from hnclip_jax.models import CLIPConfig, init_params
 from hnclip_jax.objective import Objective, embedding_outputs
 
@@ -86,7 +86,7 @@ def core():
 
   # Optimizer state follows the parameters.
   mesh = mesh_of((2, 2, 2))
-  tx = train_step.make_optimizer(ml_collections.ConfigDict(dict(lr=1e-3, weight_decay=0.1, warmup_steps=1, b1=0.9,
+  tx = optim.make_optimizer(ml_collections.ConfigDict(dict(lr=1e-3, weight_decay=0.1, warmup_steps=1, b1=0.9,
                                                                 b2=0.98, eps=1e-6, grad_clip_norm=1.0)), 10)
   abstract_state = jax.eval_shape(lambda p: train_step.init_state(p, tx), PARAMS)
   ssh = sharding.state_shardings(abstract_state, "params", mesh, RULES)

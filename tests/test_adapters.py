@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hnclip_jax import config as config_lib, sharding, train_step
+from hnclip_jax import config as config_lib, optim, sharding, train_step
 from hnclip_jax.models import CLIPConfig, abstract_model, adapters, bind, init_params
 from hnclip_jax.models.clip import DoRALinear, LoRALinear
 from conftest import listing, run_py
@@ -185,9 +185,9 @@ def test_only_adapters_train(method, dropout, train_scale):
     state, metrics = program.step(state, {"image": pixels, "tokens": tokens})
   after = adapters.flat(jax.device_get(state["params"]))
   moved = {k for k in after if not np.array_equal(after[k], before[k])}
-  scale = {train_step.SCALE_PARAM} if train_scale else set()
+  scale = {optim.SCALE_PARAM} if train_scale else set()
   assert moved == {k for k in after if adapters.is_adapter(k)} | scale
-  n_moments = sum(x.size for x in train_step.trained_params(state["opt_state"]))
+  n_moments = sum(x.size for x in optim.trained_params(state["opt_state"]))
   assert n_moments == adapters.sizes(params)[0] + len(scale)
   assert np.isfinite(float(metrics["grad_norm"])) and float(metrics["grad_norm"]) > 0
   if dropout:

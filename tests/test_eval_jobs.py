@@ -125,11 +125,11 @@ def test_table_one_from_one_command(reference, tfds_dir, tmp_path, monkeypatch):
   work = str(tmp_path / "w")
   shutil.copytree(reference, work)
   # Each data set is built once and the encoders compile once for all four (same batch and image shapes).
-  from hnclip_jax import train_step
   from hnclip_jax.data import builders
+  from hnclip_jax.evaluation import embedding
   made, reads = [], []
-  real_embed, real_source = train_step.make_embed_fn, builders.data_source
-  monkeypatch.setattr(train_step, "make_embed_fn", lambda *a, **k: made.append(real_embed(*a, **k)) or made[-1])
+  real_embed, real_source = embedding.make_embed_fn, builders.data_source
+  monkeypatch.setattr(embedding, "make_embed_fn", lambda *a, **k: made.append(real_embed(*a, **k)) or made[-1])
   monkeypatch.setattr(builders, "data_source", lambda d, split, **k: reads.append((d.name, split, k.get(
       "decode_images", True))) or real_source(d, split, **k))
   out = _eval(work, tfds_dir, "--benchmarks=all", f"--config.eval.data_root={root}", "--step=6", config=str(cfg))

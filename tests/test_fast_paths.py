@@ -118,19 +118,19 @@ def test_compute_settings_fail_in_config_validation():
 
 def test_train_step_skips_nonfinite_in_place_and_uses_cpu_options(setup):
   """The compiled step guards the update with a cond (a non-finite batch leaves params and optimizer state
-  bit-identical, a finite one changes them) and, on a CPU mesh, is compiled with train_step.CPU_COMPILER_OPTIONS."""
-  from hnclip_jax import sharding, train_step
+  bit-identical, a finite one changes them) and, on a CPU mesh, is compiled with sharding.CPU_COMPILER_OPTIONS."""
+  from hnclip_jax import optim, sharding, train_step
   params, pixels, tokens = setup
   graphdef, _ = init_params(CFG, 0)
   run = config_lib.base_config()
   run.optimizer.update(dict(lr=1e-3, warmup_steps=0))
   opt = run.optimizer
-  tx = train_step.make_optimizer(opt, 10)
+  tx = optim.make_optimizer(opt, 10)
   mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1}), jax.devices()[:1])
   state = train_step.init_state(params, tx)
   sh = sharding.state_shardings(jax.eval_shape(lambda: state), "params", mesh,
                                 sharding.parse_rules(sharding.DEFAULT_RULES))
-  step = train_step.make_train_step(graphdef, tx, mesh, run, train_step.lr_schedule(opt, 10), sh)
+  step = train_step.make_train_step(graphdef, tx, mesh, run, optim.lr_schedule(opt, 10), sh)
   state = jax.device_put(state, sh)
   before = jax.tree.map(np.asarray, state)
   bad = pixels.copy()

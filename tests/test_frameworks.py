@@ -243,20 +243,20 @@ def test_weights_without_aggregators_get_fresh_ones_and_a_longclip_start_drops_t
 
 def test_aggregators_train_with_adapters():
   """LoRA freezes every base weight; FineLIP's aggregators, new and randomly initialised, still train."""
-  from hnclip_jax import train_step
+  from hnclip_jax import optim
   c = config_lib.base_config()
   c.framework, c.finetune.method = "finelip", "lora"
   cfg = CLIPConfig(**{**TINY.__dict__, **config_lib.adapter_fields(c)})
-  frozen = train_step.frozen_predicate(c.optimizer, train_step.freeze_patterns(c, cfg))
+  frozen = optim.frozen_predicate(c.optimizer, optim.freeze_patterns(c, cfg))
   assert not frozen("image_aggregator/fc1/kernel") and not frozen("text_aggregator/scale")
   assert not frozen("text/blocks/0/fc1/lora/lora_a") and frozen("text/blocks/0/fc1/kernel") and frozen("ln_post/scale")
   assert not frozen("logit_scale")  # it follows config.optimizer.train_logit_scale (default: learned)
   plain = CLIPConfig(**{**cfg.__dict__, "aggregate_tokens": 0})
-  frozen_plain = train_step.frozen_predicate(c.optimizer, train_step.freeze_patterns(c, plain))
+  frozen_plain = optim.frozen_predicate(c.optimizer, optim.freeze_patterns(c, plain))
   assert frozen_plain("image_aggregator/fc1/kernel") and not frozen_plain("text/blocks/0/fc1/lora/lora_a")
   assert frozen_plain("vision/blocks/0/attn/q/kernel") and not frozen_plain("vision/blocks/0/attn/q/magnitude")
   c.optimizer.train_logit_scale = False
-  assert train_step.frozen_predicate(c.optimizer, train_step.freeze_patterns(c, plain))("logit_scale")
+  assert optim.frozen_predicate(c.optimizer, optim.freeze_patterns(c, plain))("logit_scale")
 
 
 def test_aggregators_are_replicated_on_every_layout():

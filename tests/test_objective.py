@@ -8,7 +8,7 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
-from hnclip_jax import config as config_lib, losses, sharding, train_step
+from hnclip_jax import config as config_lib, losses, optim, sharding, train_step
 from hnclip_jax.models import CLIPConfig, bind, init_params
 from hnclip_jax.models.clip import LOGIT_SCALE_PARAM_MAX
 from hnclip_jax.objective import Objective
@@ -213,7 +213,7 @@ def _step(graphdef, params, tx, **optimizer):
   state = train_step.init_state(jax.tree.map(lambda x: jnp.array(x, copy=True), params), tx)  # the step donates
   sh = sharding.state_shardings(jax.eval_shape(lambda: state), "params", MESH,
                                 sharding.parse_rules(sharding.DEFAULT_RULES))
-  step = train_step.make_train_step(graphdef, tx, MESH, config, train_step.lr_schedule(config.optimizer, 10), sh)
+  step = train_step.make_train_step(graphdef, tx, MESH, config, optim.lr_schedule(config.optimizer, 10), sh)
   return step, jax.device_put(state, sh)
 
 
@@ -226,7 +226,7 @@ def test_logit_scale_moves_down_from_a_real_long_clip_value(tiny):
   config.optimizer.update(dict(lr=0.05, warmup_steps=0))
   g = jax.jit(jax.grad(lambda p: Objective()(bind(graphdef, p)(pixels, tokens), MESH)[0]))(params)["logit_scale"]
   assert float(g) > 0  # the loss falls as s falls
-  step, state = _step(graphdef, params, train_step.make_optimizer(config.optimizer, 10), lr=0.05, warmup_steps=0)
+  step, state = _step(graphdef, params, optim.make_optimizer(config.optimizer, 10), lr=0.05, warmup_steps=0)
   state, metrics = step(state, {"image": pixels, "tokens": tokens})
   assert float(metrics["logit_scale"]) == pytest.approx(np.exp(4.6052), rel=1e-6)  # reported before the update
   assert float(state["params"]["logit_scale"]) < LOGIT_SCALE_PARAM_MAX - 0.03
@@ -244,7 +244,7 @@ def test_logit_scale_never_exceeds_100_and_can_be_frozen(tiny):
   # Frozen: bit-identical after several steps, and no optimizer moments for it.
   config = config_lib.base_config()
   config.optimizer.update(dict(lr=0.05, warmup_steps=0, train_logit_scale=False))
-  tx = train_step.make_optimizer(config.optimizer, 10)
+  tx = optim.make_optimizer(config.optimizer, 10)
   frozen = dict(params, logit_scale=jnp.float32(4.6052))
   step, state = _step(graphdef, frozen, tx, lr=0.05, warmup_steps=0, train_logit_scale=False)
   before_other = np.asarray(state["params"]["text_projection"]).copy()
@@ -265,12 +265,12 @@ def test_freeze_the_image_tower(tiny):
   graphdef, params, pixels, tokens, _ = tiny
   config = config_lib.base_config()
   config.optimizer.update(dict(lr=0.05, warmup_steps=0))
-  tx = train_step.make_optimizer(config.optimizer, 10, freeze=(IMAGE_TOWER,))
+  tx = optim.make_optimizer(config.optimizer, 10, freeze=(IMAGE_TOWER,))
   step, state = _step(graphdef, params, tx, lr=0.05, warmup_steps=0)
   before = jax.tree.map(lambda x: np.asarray(x).copy(), state["params"])
   for _ in range(3):
     state, _ = step(state, {"image": pixels, "tokens": tokens})
-  flat = {train_step.param_path(p): (np.asarray(x), before_x) for (p, x), before_x in zip(
+  flat = {optim.param_path(p): (np.asarray(x), before_x) for (p, x), before_x in zip(
       jax.tree_util.tree_flatten_with_path(state["params"])[0], jax.tree.leaves(before))}
   frozen = [k for k in flat if re.search(IMAGE_TOWER, k)]
   assert len(frozen) > 10 and all(flat[k][0].tobytes() == flat[k][1].tobytes() for k in frozen)
@@ -282,15 +282,15 @@ def test_freeze_the_image_tower(tiny):
   mu = jax.tree.leaves(adam[0].mu)  # frozen leaves are optax.MaskedNode: no arrays
   assert sorted(x.size for x in mu) == sorted(x.size for x in trained)
   with pytest.raises(ValueError, match=r"config.finetune.freeze: '\^visoin/' matches no parameter"):
-    train_step.init_state(params, train_step.make_optimizer(config.optimizer, 10, freeze=("^visoin/",)))
+    train_step.init_state(params, optim.make_optimizer(config.optimizer, 10, freeze=("^visoin/",)))
 
 
 def _one_adamw_update(opt_overrides, params, grads):
   config = config_lib.base_config()
   config.optimizer.update(dict(lr=0.01, warmup_steps=0, grad_clip_norm=0.0, weight_decay=0.1, **opt_overrides))
-  tx = train_step.make_optimizer(config.optimizer, 10)
+  tx = optim.make_optimizer(config.optimizer, 10)
   updates, _ = tx.update(grads, tx.init(params), params)
-  return {train_step.param_path(p): np.asarray(u) for p, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
+  return {optim.param_path(p): np.asarray(u) for p, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
 
 
 def _adamw_first_step(g, p, lr, wd, eps=1e-6):
@@ -303,8 +303,8 @@ def test_lr_multipliers_and_layer_decay_against_hand_computed_updates(tiny):
   _, params, _, _, _ = tiny
   r = np.random.default_rng(0)
   grads = jax.tree.map(lambda x: jnp.asarray(r.normal(size=x.shape), x.dtype), params)
-  flat_p = {train_step.param_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-  flat_g = {train_step.param_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(grads)[0]}
+  flat_p = {optim.param_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  flat_g = {optim.param_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(grads)[0]}
   depth_v = len(params["vision"]["blocks"])
   depth_t = len(params["text"]["blocks"])
   # (rule, factor) pairs: the first matching regex wins.

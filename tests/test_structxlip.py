@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh
 
 from conftest import check_resume_is_bit_identical, metrics_rows as _metrics, run_py
-from hnclip_jax import config as config_lib, experiment, losses, sharding, train_step
+from hnclip_jax import config as config_lib, experiment, losses, optim, sharding
 from hnclip_jax.data import pipeline, structure
 from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.models import CLIPConfig, bind, init_params
@@ -296,9 +296,9 @@ def test_structxlip_config():
   with pytest.raises(ValueError, match="config.structxlip.canny_low=300.0 must be below canny_high=200.0"):
     config_lib.validate(c)
   c.structxlip.canny_low = 100.0
-  assert train_step.logit_scale_max(c) == 3.5
+  assert optim.logit_scale_max(c) == 3.5
   assert experiment.resolve_epoch_settings(c, 1000).structxlip.steps_per_epoch == 1000 // 128
-  np.testing.assert_allclose(train_step.clamp_logit_scale({"logit_scale": jnp.float32(4.6)}, 3.5)["logit_scale"], 3.5)
+  np.testing.assert_allclose(optim.clamp_logit_scale({"logit_scale": jnp.float32(4.6)}, 3.5)["logit_scale"], 3.5)
   from configs import longclip_l
   c = longclip_l.get_config("docci,structxlip")
   config_lib.validate(c)

@@ -21,9 +21,9 @@ import time
 
 import jax
 
-from hnclip_jax import experiment, sharding, storage, train_step
+from hnclip_jax import experiment, sharding, storage
 from hnclip_jax.data import builders, pipeline
-from hnclip_jax.evaluation import benchmarks as bench_lib
+from hnclip_jax.evaluation import benchmarks as bench_lib, embedding
 from hnclip_jax.metrics import log
 from hnclip_jax.models import abstract_model
 from hnclip_jax.workdir import Workdir, check_model_compatible, write_model, write_tokenizer
@@ -48,13 +48,13 @@ class Evaluator:
     param_sh = sharding.state_shardings({"params": abstract_params}, "params", mesh, rules)["params"]
     self.target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params,
                                param_sh)
-    self.encoders = train_step.make_embed_fn(graphdef, mesh, param_sh)
+    self.encoders = embedding.make_embed_fn(graphdef, mesh, param_sh)
     self.aggregated = None
     if score == "finelip":
       if not self.model_cfg.aggregate_tokens:
         raise ValueError(f"--score=finelip needs FineLIP's token aggregators, but {wd.path} was trained without "
                          "them (config.framework='finelip' adds them); use --score=cosine")
-      self.aggregated = train_step.make_aggregated_embed_fn(graphdef, mesh, param_sh, int(config.loss.token_layer))
+      self.aggregated = embedding.make_aggregated_embed_fn(graphdef, mesh, param_sh, int(config.loss.token_layer))
     self.ckpt = wd.checkpointer(read_only=True)
     self._data = {}
 
@@ -90,12 +90,12 @@ class Evaluator:
     """One benchmark -> (result row, (img, txt, caption_image) for a report)."""
     source, _, captions = self.data(b)
     c = self.config
-    img, txt, caption_image = experiment.embed_split(params, self.encoders, source, self.tokenizer, self.model_cfg,
+    img, txt, caption_image = embedding.embed_split(params, self.encoders, source, self.tokenizer, self.model_cfg,
                                                      self.mesh, c.eval_batch_size, captions)
-    res = experiment.retrieval_result(img, txt, caption_image)
+    res = embedding.retrieval_result(img, txt, caption_image)
     if self.aggregated is not None:
       from hnclip_jax.evaluation.retrieval import finelip_scores, recall_from_scores
-      img_agg, txt_agg, _ = experiment.embed_split(params, self.aggregated, source, self.tokenizer, self.model_cfg,
+      img_agg, txt_agg, _ = embedding.embed_split(params, self.aggregated, source, self.tokenizer, self.model_cfg,
                                                    self.mesh, c.eval_batch_size, captions)
       res.update(recall_from_scores(finelip_scores(img, txt, img_agg, txt_agg, float(c.finelip.score_weight)),
                                     caption_image))

@@ -619,12 +619,12 @@ def sweep(config, topology: str) -> list:
 @clean_errors
 def main(argv):
   del argv
-  from hnclip_jax import config as config_lib, experiment
+  from hnclip_jax import cli, config as config_lib
   from hnclip_jax.metrics import quiet_libraries
   quiet_libraries()
   config = config_lib.validate(FLAGS.config)
   chip_spec(FLAGS.topology)
-  experiment.enable_compilation_cache(config.compilation_cache_dir)
+  cli.enable_compilation_cache(config.compilation_cache_dir)
   if FLAGS.sweep:
     result = sweep(config, FLAGS.topology)
   else:
