@@ -33,6 +33,7 @@ def main(argv):
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.evaluation import embedding
   from hnclip_jax.evaluation.retrieval import NonFiniteEmbeddings
+  from hnclip_jax.frameworks.structxlip import StructXLIPTerm
   from hnclip_jax.metrics import MetricsWriter, Progress, log, quiet_libraries
   from hnclip_jax.models import init_params
   from hnclip_jax.workdir import Workdir, check_model_compatible, config_changes
@@ -73,7 +74,8 @@ def main(argv):
   log(experiment.truncation_report(config, tokenizer))
   program = train_step.build_program(config, model_cfg, mesh, rules)  # what tools/compile_for compiles, too
   graphdef, tx, shardings, objective = program.graphdef, program.tx, program.shardings, program.objective
-  if objective.needs_segments or (objective.needs_structure and objective.sx_local_weight > 0):
+  sx = objective.term(StructXLIPTerm)
+  if objective.needs_segments or (sx is not None and sx.local_weight > 0):
     fw = config.framework
     have, total = builders.count_segments(config.data, config.data.train_split, fw)
     if not have:

@@ -14,6 +14,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hnclip_jax import losses, optim, sharding, train_step
 from hnclip_jax.models import CLIPConfig, init_params
+from hnclip_jax.frameworks.finelip import FineLIPTerm
+from hnclip_jax.frameworks.goal import GOALTerm
+from hnclip_jax.frameworks.structxlip import StructXLIPTerm
 from hnclip_jax.objective import Objective, embedding_outputs
 
 LAYOUTS = [(8, 1, 1), (2, 4, 1), (1, 8, 1), (2, 2, 2), (4, 1, 2)]
@@ -180,7 +183,7 @@ def finelip():
   accumulation over the global batch and chunking equal one device."""
   import dataclasses
   fmodel = init_params(dataclasses.replace(CFG, aggregate_tokens=3), 0)
-  fine = dict(finelip_weight=1.0, finelip_hn_margin=True, model=fmodel)
+  fine = dict(terms=(FineLIPTerm(weight=1.0, hn_margin=True),), model=fmodel)
   ref = grads_on((1, 1, 1), **fine)
   out["finelip_layouts"] = {}
   for shape, kw in VARIANTS:
@@ -206,8 +209,8 @@ def goal():
   span[2] = False  # a sentence not found in its caption
   goal_batch["seg_span"] = span.astype(np.float32)
   goal_batch["seg_valid"] = np.arange(B) % 5 != 4  # rows 4, 9, 14: no segment
-  every_variant("goal", dict(goal_segment_weight=0.5, goal_patch_weight=1.0, goal_text_weight=1.0,
-                             goal_segment_margin=True, data=goal_batch))
+  every_variant("goal", dict(terms=(GOALTerm(segment_weight=0.5, patch_weight=1.0, text_weight=1.0,
+                                             segment_margin=True),), data=goal_batch))
 
 
 def structxlip():
@@ -228,8 +231,8 @@ def structxlip():
       if (i + c) % 4:
         chunks[i, c, 1 + c:3 + c] = 1
   sx_batch["sx_chunks"] = chunks
-  every_variant("structxlip", dict(sx_structure_weight=0.5, sx_consistency_weight=0.3, sx_local_weight=0.4,
-                                   sx_structure_margin=True, data=sx_batch))
+  every_variant("structxlip", dict(terms=(StructXLIPTerm(structure_weight=0.5, consistency_weight=0.3,
+                                                         local_weight=0.4, structure_margin=True),), data=sx_batch))
 
 
 def _buffer_sizes(hlo: str) -> list[int]:
@@ -267,7 +270,7 @@ def memory():
   FT = 10
   agg = {"img": tok["img"], "txt": tok["txt"], "img_agg": jax.ShapeDtypeStruct((TB, FT, TE), jnp.float32, sharding=sh),
          "txt_agg": jax.ShapeDtypeStruct((TB, FT, TE), jnp.float32, sharding=sh)}
-  f = lambda o: Objective(gamma=0.5, finelip_weight=1.0)({**o, "scale": jnp.float32(30.0)}, mesh)[0]
+  f = lambda o: Objective(gamma=0.5, terms=(FineLIPTerm(weight=1.0),))({**o, "scale": jnp.float32(30.0)}, mesh)[0]
   sizes = _buffer_sizes(jax.jit(jax.value_and_grad(f)).lower(agg).compile().as_text())
   out["finelip_memory"] = {"largest_buffer": max(sizes), "BxBxTxT": TB * TB * FT * FT,
                            "nxBxTxT": TB // 8 * TB * FT * FT, "block": losses.TOKEN_BLOCK ** 2 * FT * FT}
@@ -279,7 +282,7 @@ def memory():
               "sx_chunks": jax.ShapeDtypeStruct((TB, XC, TE), jnp.float32, sharding=sh)})
   sxm = {"sx_crop_valid": jax.ShapeDtypeStruct((TB, XK), jnp.bool_, sharding=sh),
          "sx_chunk_valid": jax.ShapeDtypeStruct((TB, XC), jnp.bool_, sharding=sh)}
-  f = lambda o, m: Objective(gamma=0.5, sx_local_weight=1.0)({**o, **m, "scale": jnp.float32(30.0)}, mesh)[0]
+  f = lambda o, m: Objective(gamma=0.5, terms=(StructXLIPTerm(local_weight=1.0),))({**o, **m, "scale": jnp.float32(30.0)}, mesh)[0]
   sizes = _buffer_sizes(jax.jit(jax.value_and_grad(f)).lower(sxo, sxm).compile().as_text())
   out["structxlip_memory"] = {"largest_buffer": max(sizes), "rows": TB // 8 * XC * TB * XK,
                               "full": TB * XC * TB * XK}

@@ -17,6 +17,7 @@ from hnclip_jax import config as config_lib, experiment, losses, sharding
 from hnclip_jax.evaluation.retrieval import finelip_scores, recall_at_k, recall_from_scores
 from hnclip_jax.models import CLIPConfig, bind, init_params
 from hnclip_jax.models.clip import AGGREGATORS, TokenAggregation, init_aggregators
+from hnclip_jax.frameworks.finelip import FineLIPTerm
 from hnclip_jax.objective import Objective
 from test_losses import np_reference
 from test_objective import _numeric_grad
@@ -134,8 +135,8 @@ def test_finelip_objective_value_and_gradients_match_numpy(reduction, global_wei
   """w_g·L_HN + w·ramp(step)·hinge from the outputs dict: value, and gradients w.r.t. every output."""
   out = _outputs(3)
   s = float(out["scale"])
-  obj = Objective(gamma=0.5, global_weight=global_weight, finelip_weight=2.0, finelip_reduction=reduction,
-                  finelip_ramp_steps=8, chunk_size=chunk)
+  obj = Objective(gamma=0.5, global_weight=global_weight, chunk_size=chunk,
+                  terms=(FineLIPTerm(weight=2.0, reduction=reduction, ramp_steps=8),))
   got, g = jax.jit(jax.value_and_grad(lambda o: obj(o, MESH, jnp.int32(2))[0]))(out)
   norm = 6 if reduction == "mean" else 1
   hinge = lambda i, t: sum(x.sum() for x in np_hinge(i, t)) / norm
@@ -157,7 +158,7 @@ def test_finelip_objective_value_and_gradients_match_numpy(reduction, global_wei
 
 def test_ramp_runs_from_zero_to_the_full_weight():
   out = _outputs(4)
-  obj = Objective(gamma=0.5, finelip_weight=1.0, finelip_ramp_steps=10)
+  obj = Objective(gamma=0.5, terms=(FineLIPTerm(weight=1.0, ramp_steps=10),))
   hn = float(np_reference(out["img"], out["txt"], float(out["scale"]), 0.5)[0])
   at = jax.jit(lambda o, step: obj(o, MESH, step))  # the step traced, as in the train step: one compile
   fine = float(at(out, 0)[1]["terms"]["fine"])
@@ -165,13 +166,13 @@ def test_ramp_runs_from_zero_to_the_full_weight():
   for step, ramp in ((0, 0.0), (5, 0.5), (10, 1.0), (1000, 1.0)):
     np.testing.assert_allclose(at(out, step)[0], hn + ramp * fine, rtol=1e-5)
   np.testing.assert_allclose(jax.jit(lambda o: obj(o, MESH, None)[0])(out), hn + fine, rtol=1e-5)  # no step: full
-  np.testing.assert_allclose(jax.jit(lambda o: obj.replace(finelip_ramp_steps=0)(o, MESH, 0)[0])(out), hn + fine,
+  np.testing.assert_allclose(jax.jit(lambda o: obj.replace(terms=(FineLIPTerm(weight=1.0, ramp_steps=0),))(o, MESH, 0)[0])(out), hn + fine,
                              rtol=1e-5)
 
 
 def test_gamma_zero_finelip_is_its_own_infonce_plus_hinge():
   out = _outputs(5)
-  got = Objective(gamma=0.0, finelip_weight=1.0)(out, MESH)[0]
+  got = Objective(gamma=0.0, terms=(FineLIPTerm(weight=1.0),))(out, MESH)[0]
   s = float(out["scale"])
   hn0 = np_reference(out["img"], out["txt"], s, 0.0)[0]
   np.testing.assert_allclose(got, hn0 + sum(x.sum() for x in np_hinge(out["img_agg"], out["txt_agg"])), rtol=1e-5)

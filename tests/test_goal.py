@@ -18,13 +18,18 @@ from hnclip_jax import config as config_lib, sharding
 from hnclip_jax.data import builders, pipeline, synthetic
 from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.models import CLIPConfig, bind, init_params
+from hnclip_jax.frameworks.goal import GOALTerm
 from hnclip_jax.objective import Objective
 from test_losses import np_reference
 from test_objective import _numeric_grad
 
 MESH = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES)
 FLOATS = ("img", "txt", "seg_img", "seg_txt", "patch_pool", "span_pool")
-GOAL = dict(goal_segment_weight=0.5, goal_patch_weight=1.0, goal_text_weight=1.0)
+GOAL = dict(segment_weight=0.5, patch_weight=1.0, text_weight=1.0)
+
+
+def goal_objective(gamma=0.5, **kw):
+  return Objective(gamma=gamma, terms=(GOALTerm(**{**GOAL, **kw}),))
 
 
 def _run(objective, outputs, step=None):
@@ -84,7 +89,7 @@ def test_goal_objective_value_and_gradients_match_numpy(segment_margin):
   term, the per-example shares and the gradient w.r.t. every output equal float64 NumPy (central differences, Ḡ
   held constant); rows a term leaves out get exactly no gradient from it."""
   out = _outputs(0)
-  obj = Objective(gamma=0.5, goal_segment_margin=segment_margin, **GOAL)
+  obj = goal_objective(segment_margin=segment_margin)
   masks = {k: out[k] for k in ("seg_valid", "patch_valid", "span_valid")}
   f = lambda fl: obj({**fl, **masks}, MESH)  # noqa: E731
   floats = {k: out[k] for k in (*FLOATS, "scale")}
@@ -116,17 +121,17 @@ def test_goal_objective_value_and_gradients_match_numpy(segment_margin):
 def test_goal_gamma_zero_is_goal_with_plain_infonce_and_margin_changes_the_loss():
   out = _outputs(1)
   masks = {k: out[k] for k in ("seg_valid", "patch_valid", "span_valid")}
-  loss0 = _run(Objective(gamma=0.0, **GOAL), out)[0]
+  loss0 = _run(goal_objective(gamma=0.0), out)[0]
   np.testing.assert_allclose(loss0, np_goal(out, 0.0, False), rtol=1e-5)
   hn0 = np_reference(out["img"], out["txt"], 6.0, 0.0)[0]
   assert abs(float(loss0) - hn0) > 1e-2  # the GOAL terms are really there
   plain = _run(Objective(gamma=0.0), {k: out[k] for k in ("img", "txt", "scale")})[0]
   np.testing.assert_allclose(plain, hn0, rtol=1e-6)
-  a = _run(Objective(gamma=0.5, **GOAL), {**out, **masks})[1]["terms"]["seg"]
-  b = _run(Objective(gamma=0.5, goal_segment_margin=True, **GOAL), {**out, **masks})[1]["terms"]["seg"]
+  a = _run(goal_objective(), {**out, **masks})[1]["terms"]["seg"]
+  b = _run(goal_objective(segment_margin=True), {**out, **masks})[1]["terms"]["seg"]
   assert abs(float(a) - float(b)) > 1e-3  # segment_margin puts γ·Ḡ into the segment term
-  assert Objective(gamma=0.5, **GOAL).term_names == ("hn", "seg", "patch", "span")
-  assert Objective(gamma=0.5, **GOAL).input_keys[2:] == pipeline_keys()
+  assert goal_objective().term_names == ("hn", "seg", "patch", "span")
+  assert goal_objective().input_keys[2:] == pipeline_keys()
 
 
 def pipeline_keys():
@@ -343,7 +348,8 @@ def test_goal_config():
   c.framework = "goal"
   config_lib.validate(c)
   obj = Objective.from_config(c.loss, c)
-  assert (obj.goal_segment_weight, obj.goal_patch_weight, obj.goal_text_weight) == (0.5, 2.0, 1.0)
+  goal = obj.term(GOALTerm)
+  assert (goal.segment_weight, goal.patch_weight, goal.text_weight) == (0.5, 2.0, 1.0)
   c.goal.text_weight = -1.0
   with pytest.raises(ValueError, match="config.goal.text_weight=-1.0 must be >= 0"):
     config_lib.validate(c)

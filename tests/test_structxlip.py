@@ -14,13 +14,18 @@ from hnclip_jax import config as config_lib, experiment, losses, optim, sharding
 from hnclip_jax.data import pipeline, structure
 from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.models import CLIPConfig, bind, init_params
+from hnclip_jax.frameworks.structxlip import StructXLIPTerm
 from hnclip_jax.objective import Objective
 from test_losses import np_reference
 from test_goal import _run
 from test_objective import _numeric_grad
 
 MESH = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES)
-SX = dict(sx_structure_weight=0.5, sx_consistency_weight=0.05, sx_local_weight=0.1)
+SX = dict(structure_weight=0.5, consistency_weight=0.05, local_weight=0.1)
+
+
+def sx_objective(gamma=0.5, **kw):
+  return Objective(gamma=gamma, terms=(StructXLIPTerm(**{**SX, **kw}),))
 
 
 def _unit(x):
@@ -110,7 +115,7 @@ def test_structxlip_objective_matches_numpy(margin):
   """L_HN + 0.5·L_struct + 0.05·L_consist + 0.1·L_local: value, terms, per-example shares and the gradient w.r.t.
   every output; the structure term's s is a constant (s's gradient comes from L_HN and the local term only)."""
   o = _outputs(1)
-  obj = Objective(gamma=0.5, sx_structure_margin=margin, **SX)
+  obj = sx_objective(structure_margin=margin)
   masks = {k: o[k] for k in ("sx_crop_valid", "sx_chunk_valid")}
   floats = {k: v for k, v in o.items() if k not in masks}
   (loss, aux), g = jax.jit(jax.value_and_grad(lambda fl: obj({**fl, **masks}, MESH), has_aux=True))(floats)
@@ -134,7 +139,7 @@ def test_structxlip_objective_matches_numpy(margin):
 
 def test_weight_schedule_matches_the_authors_formula():
   """Per epoch: 1 in epochs 0 and 1, cosine to the floor at epoch 8, the floor after; steps_per_epoch 0: none."""
-  obj = Objective(sx_steps_per_epoch=10, **SX)
+  obj = sx_objective(steps_per_epoch=10)
   floors = np.array([0.7, 0.5, 0.4])
   for step in (0, 9, 10, 19, 25, 40, 79, 80, 95, 300):
     epoch = step // 10
@@ -143,8 +148,8 @@ def test_weight_schedule_matches_the_authors_formula():
     else:
       progress = min(max(epoch - 1, 0), 7)
       want = floors + (1 - floors) * 0.5 * (1 + np.cos(np.pi * progress / 7))
-    np.testing.assert_allclose(obj.sx_factors(step), want, rtol=1e-6, err_msg=str(step))
-  np.testing.assert_allclose(Objective(**SX).sx_factors(500), np.ones(3))
+    np.testing.assert_allclose(obj.terms[0].schedule(step), want, rtol=1e-6, err_msg=str(step))
+  np.testing.assert_allclose(sx_objective().terms[0].schedule(500), np.ones(3))
   o = _outputs(2)
   loss_late = _run(obj, o, 200)[0]
   want, terms = np_sx(o)
@@ -155,8 +160,8 @@ def test_weight_schedule_matches_the_authors_formula():
 
 def test_gamma_zero_is_structxlip_with_plain_infonce():
   o = _outputs(3)
-  np.testing.assert_allclose(_run(Objective(gamma=0.0, **SX), o)[0], np_sx(o, gamma=0.0)[0], rtol=1e-5)
-  assert Objective(**SX).term_names == ("hn", "struct", "consist", "local")
+  np.testing.assert_allclose(_run(sx_objective(gamma=0.0), o)[0], np_sx(o, gamma=0.0)[0], rtol=1e-5)
+  assert sx_objective().term_names == ("hn", "struct", "consist", "local")
 
 
 TINY = CLIPConfig(embed_dim=8, image_size=16, patch_size=4, vision_width=16, vision_layers=1, vision_heads=2,
@@ -321,9 +326,9 @@ def test_structxlip_trains_resumes_bit_identically_and_evaluates(tmp_path, tfds_
   run_py([*args, "--workdir", workdir])
   rows = [r for r in _metrics(workdir) if "loss" in r]
   assert [r["step"] for r in rows] == [2, 4, 6]
-  obj = Objective(sx_steps_per_epoch=2, sx_decay_epochs=3, **SX)
+  obj = sx_objective(steps_per_epoch=2, decay_epochs=3).terms[0]
   for r in rows:  # the logged loss is that of step r["step"] - 1
-    f = np.asarray(obj.sx_factors(r["step"] - 1)) * [0.5, 0.05, 0.1]
+    f = np.asarray(obj.schedule(r["step"] - 1)) * [0.5, 0.05, 0.1]
     assert r["loss"] == pytest.approx(r["loss/hn"] + f[0] * r["loss/struct"] + f[1] * r["loss/consist"]
                                       + f[2] * r["loss/local"], rel=1e-5)
     assert r["logit_scale"] <= np.exp(2.6) * (1 + 1e-6) < 1 / 0.07  # 14.29 at init, clamped to e^2.6 = 13.46

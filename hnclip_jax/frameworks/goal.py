@@ -1,0 +1,54 @@
+"""GOAL: segment crops against their sentences (InfoNCE, optionally with γ·Ḡ of the sentences), and the alignment
+of pooled patches with the crop and of the caption's sentence span with the sentence, added to L_HN.
+
+The model side (segment outputs), the inputs (hnclip_jax/data/pipeline.segment_inputs) and the config block
+(`config.goal`) are still in the core modules; docs/frameworks.md describes the method."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from hnclip_jax import losses
+from hnclip_jax.frameworks.base import Term
+from hnclip_jax.models.clip import SEGMENT_KEYS
+
+
+@dataclasses.dataclass(frozen=True)
+class GOALTerm(Term):
+  """w_s·L_seg + w_p·L_patch + w_t·L_span, each a mean over the examples it applies to."""
+  segment_weight: float = 0.0  # w_s: segment crops vs their sentences
+  patch_weight: float = 0.0  # w_p: pooled patches under the box vs the crop
+  text_weight: float = 0.0  # w_t: the sentence's span in the caption vs the sentence
+  segment_margin: bool = False  # L_HN's margin (γ·Ḡ of the sentences) in the segment term too
+  names = ("seg", "patch", "span")
+  input_keys = SEGMENT_KEYS
+
+  def model_kwargs(self, objective, inputs=None) -> dict:
+    return {} if inputs is None else {"segments": {k: inputs[k] for k in SEGMENT_KEYS}}
+
+  def __call__(self, out, ctx, sched):
+    del sched
+    count = lambda v: jnp.maximum(ctx.psum(jnp.sum(v.astype(jnp.float32))), 1.0)  # noqa: E731
+    n_seg, n_patch, n_span = count(out["seg_valid"]), count(out["patch_valid"]), count(out["span_valid"])
+    seg_gamma = ctx.gamma if self.segment_margin else 0
+    si2t, st2i = losses.contrastive_rows(out["seg_img"], out["seg_txt"], ctx.gather(out["seg_img"]),
+                                         ctx.gather(out["seg_txt"]), ctx.scale, seg_gamma, ctx.offset,
+                                         valid_all=ctx.gather(out["seg_valid"]))
+    patch = losses.cosine_mse_rows(out["patch_pool"], out["seg_img"], out["patch_valid"])
+    span = losses.cosine_mse_rows(out["span_pool"], out["seg_txt"], out["span_valid"])
+    terms = {"seg": ctx.psum(jnp.sum(si2t) + jnp.sum(st2i)) / (2 * n_seg),
+             "patch": ctx.psum(jnp.sum(patch)) / n_patch, "span": ctx.psum(jnp.sum(span)) / n_span}
+    # Per-example shares of the masked means: they average to each term over the whole batch.
+    per = ctx.batch * (self.segment_weight * 0.5 * (si2t + st2i) / n_seg + self.patch_weight * patch / n_patch
+                       + self.text_weight * span / n_span)
+    loss = (self.segment_weight * terms["seg"] + self.patch_weight * terms["patch"]
+            + self.text_weight * terms["span"])
+    return [loss], terms, [per]
+
+
+def objective(config, obj):
+  g = config.goal
+  term = GOALTerm(segment_weight=float(g.segment_weight), patch_weight=float(g.patch_weight),
+                  text_weight=float(g.text_weight), segment_margin=bool(g.segment_margin))
+  return obj.replace(terms=obj.terms + (term,))
