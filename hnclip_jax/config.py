@@ -6,6 +6,7 @@ import difflib
 
 import ml_collections
 
+from hnclip_jax import frameworks
 from hnclip_jax.models.clip import PRESETS
 
 
@@ -106,40 +107,10 @@ def base_config() -> ml_collections.ConfigDict:
   # GOAL's segment terms (config.goal; needs segments in the data). "structxlip": StructXLIP's edge-map terms
   # (config.structxlip; segments for its local term).
   c.framework = "longclip"
-  # FineLIP (Asokan et al. 2025), defaults = the authors' released settings. tokens: K aggregated tokens per tower
-  # (39 = int(196 patches × 0.4 × 0.5)); hidden_ratio: the aggregation MLP's width / embed_dim; weight, margin:
-  # the hinge's weight and margin; reduction: "sum" over every violating pair (the authors) or "mean" (÷ batch);
-  # ramp_steps: the hinge's weight ramps linearly from 0 over these steps (-1: one epoch of the training split, the
-  # authors' ramp; 0: none); hn_margin: also add γ·Ḡ to the hinge's negatives; global_weight: weight of L_HN (the
-  # released FineLIP code has none: 0; the paper's swap adds it: 1); score_weight: eval.py --score=finelip ranks by
-  # (1 − w)·cosine + w·late interaction (the authors: 0.2). The aggregators' learning rate is set with
-  # config.optimizer.lr_multipliers (configs/longclip_l.py:finelip: backbone 1e-6, aggregators 2e-4).
-  c.finelip = ml_collections.ConfigDict({"tokens": 39, "hidden_ratio": 0.2, "weight": 1.0, "margin": 0.2,
-                                         "reduction": "sum", "ramp_steps": -1, "hn_margin": False,
-                                         "global_weight": 1.0, "score_weight": 0.2})
-  # GOAL (Choi et al. 2025), defaults = the authors' released goal_loss_finetuning.py. Each example's best-scoring
-  # segment (a box and its caption sentence; the data's "segments") gives: segment_weight · InfoNCE(crop, sentence)
-  # over the batch, patch_weight · (cos(patches under the box, pooled -> final LN -> projection; crop) − 1)², and
-  # text_weight · (cos(the sentence's tokens in the caption, pooled likewise; sentence) − 1)², beside the global
-  # L_HN. segment_margin: put L_HN's margin (γ·Ḡ of the sentences) in the segment term too (off: the paper swaps
-  # the global term; docs/frameworks.md).
-  c.goal = ml_collections.ConfigDict({"segment_weight": 0.5, "patch_weight": 1.0, "text_weight": 1.0,
-                                      "segment_margin": False})
-  # StructXLIP (Ruan et al. 2026), defaults = the authors' released structxlip/train.py. Besides L_HN:
-  # structure_weight · InfoNCE(edge map of the image, caption without appearance words) (s held constant),
-  # consistency_weight · (1 − cos(image, its edge map)), local_weight · multi-positive InfoNCE of word-window
-  # chunks of that caption against the edge maps of the example's top_k segment crops (all crops of the batch the
-  # candidates; multiplier min(s / tau, 100)). Each weight is 1x in epochs 0-1, then decays (cosine) to its floor
-  # (floors: structure, consistency, local) at epoch decay_epochs; steps_per_epoch -1 = the training split / batch.
-  # remove: the word groups taken out of the structure caption (hnclip_jax/data/structure.py VISUAL_WORDS);
-  # canny_low/high: the edge maps' thresholds (OpenCV Canny on the preprocessed image); base_window, stride,
-  # max_chunks: the chunks; logit_scale_max: the logit-scale parameter is clamped to [0, this] (s <= e^3.5 = 33).
-  # structure_margin: put L_HN's margin (γ·Ḡ of the structure captions) in the structure term too.
-  c.structxlip = ml_collections.ConfigDict({
-      "structure_weight": 0.5, "consistency_weight": 0.05, "local_weight": 0.1, "floors": (0.7, 0.5, 0.4),
-      "decay_epochs": 8, "steps_per_epoch": -1, "top_k": 3, "tau": 0.07, "base_window": 3, "stride": 1,
-      "max_chunks": 64, "remove": ("colors",), "canny_low": 100.0, "canny_high": 200.0, "logit_scale_max": 3.5,
-      "structure_margin": False})
+  # Each framework's settings: config.<name> (config.finelip, config.goal, config.structxlip), defaults and their
+  # meaning in the framework's module (hnclip_jax/frameworks/<name>.py, CONFIG).
+  for name, mod in frameworks.blocks():
+    c[name] = ml_collections.ConfigDict(dict(mod.CONFIG))
   c.model = model_config("tiny", vocab_size=0, eot_token_id=-1)
   c.data = ml_collections.ConfigDict({
       # name: synthetic | docci | dci | long_dci | urban1k | coco | flickr30k | pairs.
@@ -168,12 +139,7 @@ POSITIVE = ("batch_size", "grad_accum_steps", "total_steps", "log_every", "check
             "eval_batch_size", "data.num_train", "data.num_test", "data.group_size", "data.image_size",
             "optimizer.lr")
 NON_NEGATIVE = ("workers", "loss.chunk_size", "diagnostics.every", "optimizer.weight_decay", "optimizer.warmup_steps",
-                "loss.gamma", "loss.token_weight", "loss.token_logit_scale", "finelip.weight", "finelip.margin",
-                "finelip.global_weight", "finelip.score_weight", "goal.segment_weight", "goal.patch_weight",
-                "goal.text_weight", "structxlip.structure_weight", "structxlip.consistency_weight",
-                "structxlip.local_weight", "structxlip.canny_low", "structxlip.canny_high",
-                "structxlip.logit_scale_max")
-FRAMEWORKS = ("longclip", "finelip", "goal", "structxlip")
+                "loss.gamma", "loss.token_weight", "loss.token_logit_scale")  # + each framework's NON_NEGATIVE
 
 
 def flatten(cfg, prefix="") -> dict:
@@ -192,64 +158,9 @@ FINETUNE_METHODS = {"full": "none", "lora": "lora", "dora": "dora"}
 
 
 def framework_fields(config) -> dict:
-  """config.framework (+ config.finelip) -> the model's architecture fields it implies (FineLIP's aggregators)."""
-  fw = config.get("framework", "longclip")
-  if fw not in FRAMEWORKS:
-    raise ValueError(f"config.framework={fw!r}; choose one of {list(FRAMEWORKS)}")
-  if fw != "structxlip":
-    defaults = base_config().structxlip
-    changed = [f"config.structxlip.{k}={v!r}" for k, v in config.get("structxlip", {}).items()
-               if v != defaults.get(k)]
-    if changed:  # a setting that would silently do nothing
-      raise ValueError(f"{', '.join(changed)} set, but config.framework={fw!r}: StructXLIP's settings apply only "
-                       "with config.framework='structxlip'. Set that, or drop them")
-  else:
-    check_structxlip(config.structxlip)
-  if fw != "goal":
-    defaults = base_config().goal
-    changed = [f"config.goal.{k}={v!r}" for k, v in config.get("goal", {}).items() if v != defaults.get(k)]
-    if changed:  # a setting that would silently do nothing
-      raise ValueError(f"{', '.join(changed)} set, but config.framework={fw!r}: GOAL's settings apply only with "
-                       "config.framework='goal'. Set that, or drop them")
-  if fw != "finelip":
-    defaults = base_config().finelip
-    changed = [f"config.finelip.{k}={v!r}" for k, v in config.get("finelip", {}).items()
-               if k != "score_weight" and v != defaults.get(k)]
-    if changed:  # a setting that would silently do nothing
-      raise ValueError(f"{', '.join(changed)} set, but config.framework={fw!r}: FineLIP's settings apply only with "
-                       "config.framework='finelip'. Set that, or drop them")
-    return {"aggregate_tokens": 0}
-  f = config.finelip
-  if int(f.tokens) < 1:
-    raise ValueError(f"config.finelip.tokens={f.tokens} must be >= 1 (the aggregated tokens per tower)")
-  if not 0 < float(f.hidden_ratio):
-    raise ValueError(f"config.finelip.hidden_ratio={f.hidden_ratio} must be positive")
-  if f.reduction not in ("sum", "mean"):
-    raise ValueError(f"config.finelip.reduction={f.reduction!r}; choose 'sum' (FineLIP) or 'mean'")
-  if int(f.ramp_steps) < -1:
-    raise ValueError(f"config.finelip.ramp_steps={f.ramp_steps}; use -1 (one epoch), 0 (no ramp) or a step count")
-  if not 0 <= float(f.score_weight) <= 1:
-    raise ValueError(f"config.finelip.score_weight={f.score_weight} must be in [0, 1]")
-  return {"aggregate_tokens": int(f.tokens), "aggregate_hidden_ratio": float(f.hidden_ratio)}
-
-
-def check_structxlip(sx) -> None:
-  """Raises naming the config.structxlip key that cannot work."""
-  from hnclip_jax.data import structure
-  for key in ("top_k", "max_chunks", "base_window", "stride", "decay_epochs"):
-    if int(sx[key]) < 1:
-      raise ValueError(f"config.structxlip.{key}={sx[key]!r} must be >= 1")
-  if int(sx.steps_per_epoch) < -1:
-    raise ValueError(f"config.structxlip.steps_per_epoch={sx.steps_per_epoch}; use -1 (the training split / batch "
-                     "size), 0 (no schedule) or a step count")
-  if len(tuple(sx.floors)) != 3 or not all(0 <= float(f) <= 1 for f in sx.floors):
-    raise ValueError(f"config.structxlip.floors={tuple(sx.floors)!r}: three numbers in [0, 1] (structure, "
-                     "consistency, local)")
-  if not float(sx.tau) > 0:
-    raise ValueError(f"config.structxlip.tau={sx.tau!r} must be positive")
-  if not float(sx.canny_low) < float(sx.canny_high):
-    raise ValueError(f"config.structxlip.canny_low={sx.canny_low} must be below canny_high={sx.canny_high}")
-  structure.filter_caption("x", (sx.remove,) if isinstance(sx.remove, str) else tuple(sx.remove))  # known groups
+  """config.framework and the frameworks' blocks checked -> the model's architecture fields the choice implies
+  (FineLIP's aggregators; hnclip_jax.frameworks.model_fields)."""
+  return frameworks.model_fields(config)
 
 
 BENCHMARKS_PREFIX = "eval.benchmarks."
@@ -340,7 +251,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   for key in POSITIVE:
     if key in given and not given[key] > 0:
       raise ValueError(f"config.{key}={given[key]!r} must be positive")
-  for key in NON_NEGATIVE:
+  for key in NON_NEGATIVE + tuple(f"{name}.{k}" for name, mod in frameworks.blocks() for k in mod.NON_NEGATIVE):
     if key in given and given[key] < 0:
       raise ValueError(f"config.{key}={given[key]!r} must be >= 0")
   for key, value in given.items():

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from hnclip_jax import losses, sharding
+from hnclip_jax import frameworks, losses, sharding
 from hnclip_jax.frameworks.base import Context
 from hnclip_jax.models.clip import SEGMENT_KEYS, STRUCTURE_KEYS
 
@@ -61,7 +61,6 @@ class Objective:
               token_image_cls=bool(loss_cfg.token_image_cls), token_logit_scale=float(loss_cfg.token_logit_scale),
               token_margin=bool(loss_cfg.token_margin), token_schedule=str(loss_cfg.get("token_schedule", "gather")))
     if config is not None:
-      from hnclip_jax import frameworks
       obj = frameworks.objective_for(config, obj)
     return obj
 

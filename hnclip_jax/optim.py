@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from hnclip_jax import frameworks
 from hnclip_jax.models.clip import LOGIT_SCALE_PARAM_MAX
 
 SCALE_PARAM = "logit_scale"  # the params-dict key of CLIP's log logit scale
@@ -159,7 +160,7 @@ def clamp_logit_scale(params: dict, upper: float = LOGIT_SCALE_PARAM_MAX) -> dic
 
 
 def logit_scale_max(config) -> float:
-  """The logit-scale parameter's upper clamp: ln 100, or config.structxlip.logit_scale_max in StructXLIP."""
-  if config.get("framework") == "structxlip":
-    return float(config.structxlip.logit_scale_max)
-  return LOGIT_SCALE_PARAM_MAX
+  """The logit-scale parameter's upper clamp: ln 100 (OpenAI, open_clip), or the chosen framework's
+  (`logit_scale_max(config)` in its module: StructXLIP's config.structxlip.logit_scale_max)."""
+  own = frameworks.hook(config, "logit_scale_max")
+  return LOGIT_SCALE_PARAM_MAX if own is None else float(own(config))

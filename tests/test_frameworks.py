@@ -302,6 +302,23 @@ def test_framework_config_is_checked():
   c.finelip.margin = 0.3  # without config.framework="finelip" it would do nothing: refused, named
   with pytest.raises(ValueError, match="config.finelip.margin=0.3 set, but config.framework='longclip'"):
     config_lib.validate(c)
+  # Every framework's block (hnclip_jax/frameworks/<name>.py: CONFIG, NON_NEGATIVE, OFF) is checked the same way.
+  for fw, key, value, title in (("finelip", "goal.patch_weight", 2.0, "GOAL"),
+                                ("goal", "structxlip.tau", 0.1, "StructXLIP"), ("structxlip", "finelip.tokens", 8, "FineLIP")):
+    c = config_lib.base_config()
+    c.framework = fw
+    block, field = key.split(".")
+    c[block][field] = value
+    with pytest.raises(ValueError, match=rf"config.{key}={value!r} set, but config.framework='{fw}': {title}'s "
+                                         rf"settings apply only with config.framework='{block}'"):
+      config_lib.validate(c)
+  c = config_lib.base_config()
+  c.finelip.score_weight = 0.5  # read by eval.py --score=finelip whatever the framework
+  config_lib.validate(c)
+  assert config_lib.framework_fields(c) == {"aggregate_tokens": 0}  # a Long-CLIP start drops the aggregators
+  c.framework, c.goal.text_weight = "goal", -1.0
+  with pytest.raises(ValueError, match=r"config.goal.text_weight=-1.0 must be >= 0"):
+    config_lib.validate(c)
   from configs import longclip_l
   c = longclip_l.get_config("docci,finelip")
   config_lib.validate(c)

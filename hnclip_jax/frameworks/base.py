@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import jax
+
 
 @dataclasses.dataclass(frozen=True)
 class Context:
@@ -27,12 +29,10 @@ class Context:
   gather: Callable  # [n, ...] -> [B, ...] over the batch axes
 
   def psum(self, x):
-    import jax
     return jax.lax.psum(x, self.axes)
 
   def cols_to_rows(self, x):
     """[B, n] columns (all rows vs this device's) -> this device's [n, B] rows (an all-to-all)."""
-    import jax
     return jax.lax.all_to_all(x, self.axes, 0, 1, tiled=True)
 
 

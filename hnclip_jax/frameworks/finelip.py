@@ -1,7 +1,8 @@
 """FineLIP (Asokan et al. 2025): a hinge over late-interaction scores of aggregated tokens, added to L_HN.
 
-The model side (the token aggregators, `CLIPConfig.aggregate_tokens`) and the config block (`config.finelip`) are
-still in hnclip_jax/models/clip.py and hnclip_jax/config.py; docs/frameworks.md describes the method."""
+This module holds FineLIP's config block (`config.finelip`), its checks and its loss term. The model side (the token
+aggregators, `CLIPConfig.aggregate_tokens`) is still in hnclip_jax/models/clip.py; docs/frameworks.md describes the
+method."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,40 @@ import jax.numpy as jnp
 
 from hnclip_jax import losses
 from hnclip_jax.frameworks.base import Term
+
+
+TITLE = "FineLIP"
+# config.finelip; defaults = the authors' released settings. tokens: K aggregated tokens per tower
+# (39 = int(196 patches × 0.4 × 0.5)); hidden_ratio: the aggregation MLP's width / embed_dim; weight, margin:
+# the hinge's weight and margin; reduction: "sum" over every violating pair (the authors) or "mean" (÷ batch);
+# ramp_steps: the hinge's weight ramps linearly from 0 over these steps (-1: one epoch of the training split, the
+# authors' ramp; 0: none); hn_margin: also add γ·Ḡ to the hinge's negatives; global_weight: weight of L_HN (the
+# released FineLIP code has none: 0; the paper's swap adds it: 1); score_weight: eval.py --score=finelip ranks by
+# (1 − w)·cosine + w·late interaction (the authors: 0.2). The aggregators' learning rate is set with
+# config.optimizer.lr_multipliers (configs/longclip_l.py:finelip: backbone 1e-6, aggregators 2e-4).
+CONFIG = {"tokens": 39, "hidden_ratio": 0.2, "weight": 1.0, "margin": 0.2, "reduction": "sum", "ramp_steps": -1,
+          "hn_margin": False, "global_weight": 1.0, "score_weight": 0.2}
+NON_NEGATIVE = ("weight", "margin", "global_weight", "score_weight")
+# Read whatever config.framework is (eval.py --score=finelip on any model with aggregators).
+# The architecture fields this framework sets, as they are when another framework is chosen.
+OFF = {"aggregate_tokens": 0}
+ALWAYS_READ = ("score_weight",)
+
+
+def model_fields(config) -> dict:
+  """Checks config.finelip; the model's architecture fields it implies (the aggregators)."""
+  f = config.finelip
+  if int(f.tokens) < 1:
+    raise ValueError(f"config.finelip.tokens={f.tokens} must be >= 1 (the aggregated tokens per tower)")
+  if not 0 < float(f.hidden_ratio):
+    raise ValueError(f"config.finelip.hidden_ratio={f.hidden_ratio} must be positive")
+  if f.reduction not in ("sum", "mean"):
+    raise ValueError(f"config.finelip.reduction={f.reduction!r}; choose 'sum' (FineLIP) or 'mean'")
+  if int(f.ramp_steps) < -1:
+    raise ValueError(f"config.finelip.ramp_steps={f.ramp_steps}; use -1 (one epoch), 0 (no ramp) or a step count")
+  if not 0 <= float(f.score_weight) <= 1:
+    raise ValueError(f"config.finelip.score_weight={f.score_weight} must be in [0, 1]")
+  return {"aggregate_tokens": int(f.tokens), "aggregate_hidden_ratio": float(f.hidden_ratio)}
 
 
 @dataclasses.dataclass(frozen=True)

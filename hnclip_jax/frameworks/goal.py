@@ -1,8 +1,9 @@
 """GOAL: segment crops against their sentences (InfoNCE, optionally with γ·Ḡ of the sentences), and the alignment
 of pooled patches with the crop and of the caption's sentence span with the sentence, added to L_HN.
 
-The model side (segment outputs), the inputs (hnclip_jax/data/pipeline.segment_inputs) and the config block
-(`config.goal`) are still in the core modules; docs/frameworks.md describes the method."""
+This module holds GOAL's config block (`config.goal`) and its loss term. The model side (segment outputs) and the
+inputs (hnclip_jax/data/pipeline.segment_inputs) are still in the core modules; docs/frameworks.md describes the
+method."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,25 @@ import jax.numpy as jnp
 from hnclip_jax import losses
 from hnclip_jax.frameworks.base import Term
 from hnclip_jax.models.clip import SEGMENT_KEYS
+
+
+TITLE = "GOAL"
+# config.goal; defaults = the authors' released goal_loss_finetuning.py. Each example's best-scoring segment (a box
+# and its caption sentence; the data's "segments") gives: segment_weight · InfoNCE(crop, sentence) over the batch,
+# patch_weight · (cos(patches under the box, pooled -> final LN -> projection; crop) − 1)², and text_weight ·
+# (cos(the sentence's tokens in the caption, pooled likewise; sentence) − 1)², beside the global L_HN.
+# segment_margin: put L_HN's margin (γ·Ḡ of the sentences) in the segment term too (off: the paper swaps the global
+# term; docs/frameworks.md).
+CONFIG = {"segment_weight": 0.5, "patch_weight": 1.0, "text_weight": 1.0, "segment_margin": False}
+NON_NEGATIVE = ("segment_weight", "patch_weight", "text_weight")
+# The architecture fields this framework sets, as they are when another framework is chosen.
+OFF = {}
+ALWAYS_READ = ()
+
+
+def model_fields(config) -> dict:
+  del config
+  return {}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,9 +2,9 @@
 consistency 1 − cos, and the multi-positive local term of caption chunks against the example's own segment edge
 crops, with per-epoch weight factors, added to L_HN.
 
-The model side (edge and chunk outputs), the inputs (hnclip_jax/data/pipeline.structure_inputs), the logit scale's
-clamp and the config block (`config.structxlip`) are still in the core modules; docs/frameworks.md describes the
-method."""
+This module holds StructXLIP's config block (`config.structxlip`), its checks and its loss term. The model side
+(edge and chunk outputs), the inputs (hnclip_jax/data/pipeline.structure_inputs) and the logit scale's clamp are
+still in the core modules; docs/frameworks.md describes the method."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +15,54 @@ import jax.numpy as jnp
 from hnclip_jax import losses
 from hnclip_jax.frameworks.base import Term
 from hnclip_jax.models.clip import STRUCTURE_KEYS
+
+
+TITLE = "StructXLIP"
+# config.structxlip; defaults = the authors' released structxlip/train.py. Besides L_HN: structure_weight ·
+# InfoNCE(edge map of the image, caption without appearance words) (s held constant), consistency_weight ·
+# (1 − cos(image, its edge map)), local_weight · multi-positive InfoNCE of word-window chunks of that caption
+# against the edge maps of the example's top_k segment crops (all crops of the batch the candidates; multiplier
+# min(s / tau, 100)). Each weight is 1x in epochs 0-1, then decays (cosine) to its floor (floors: structure,
+# consistency, local) at epoch decay_epochs; steps_per_epoch -1 = the training split / batch. remove: the word
+# groups taken out of the structure caption (hnclip_jax/data/structure.py VISUAL_WORDS); canny_low/high: the edge
+# maps' thresholds (OpenCV Canny on the preprocessed image); base_window, stride, max_chunks: the chunks;
+# logit_scale_max: the logit-scale parameter is clamped to [0, this] (s <= e^3.5 = 33). structure_margin: put
+# L_HN's margin (γ·Ḡ of the structure captions) in the structure term too.
+CONFIG = {"structure_weight": 0.5, "consistency_weight": 0.05, "local_weight": 0.1, "floors": (0.7, 0.5, 0.4),
+          "decay_epochs": 8, "steps_per_epoch": -1, "top_k": 3, "tau": 0.07, "base_window": 3, "stride": 1,
+          "max_chunks": 64, "remove": ("colors",), "canny_low": 100.0, "canny_high": 200.0, "logit_scale_max": 3.5,
+          "structure_margin": False}
+NON_NEGATIVE = ("structure_weight", "consistency_weight", "local_weight", "canny_low", "canny_high",
+                "logit_scale_max")
+# The architecture fields this framework sets, as they are when another framework is chosen.
+OFF = {}
+ALWAYS_READ = ()
+
+
+def model_fields(config) -> dict:
+  """Raises naming the config.structxlip key that cannot work; StructXLIP changes no architecture field."""
+  from hnclip_jax.data import structure  # (OpenCV: imported only when StructXLIP is chosen)
+  sx = config.structxlip
+  for key in ("top_k", "max_chunks", "base_window", "stride", "decay_epochs"):
+    if int(sx[key]) < 1:
+      raise ValueError(f"config.structxlip.{key}={sx[key]!r} must be >= 1")
+  if int(sx.steps_per_epoch) < -1:
+    raise ValueError(f"config.structxlip.steps_per_epoch={sx.steps_per_epoch}; use -1 (the training split / batch "
+                     "size), 0 (no schedule) or a step count")
+  if len(tuple(sx.floors)) != 3 or not all(0 <= float(f) <= 1 for f in sx.floors):
+    raise ValueError(f"config.structxlip.floors={tuple(sx.floors)!r}: three numbers in [0, 1] (structure, "
+                     "consistency, local)")
+  if not float(sx.tau) > 0:
+    raise ValueError(f"config.structxlip.tau={sx.tau!r} must be positive")
+  if not float(sx.canny_low) < float(sx.canny_high):
+    raise ValueError(f"config.structxlip.canny_low={sx.canny_low} must be below canny_high={sx.canny_high}")
+  structure.filter_caption("x", (sx.remove,) if isinstance(sx.remove, str) else tuple(sx.remove))  # known groups
+  return {}
+
+
+def logit_scale_max(config) -> float:
+  """The logit-scale parameter's upper clamp in StructXLIP (the authors' 3.5: s <= 33), not ln 100."""
+  return float(config.structxlip.logit_scale_max)
 
 
 @dataclasses.dataclass(frozen=True)
