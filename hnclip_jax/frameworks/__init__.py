@@ -41,8 +41,9 @@ def model_fields(config) -> dict:
       raise ValueError(f"{', '.join(changed)} set, but config.framework={chosen!r}: {mod.TITLE}'s settings apply only "
                        f"with config.framework={name!r}. Set that, or drop them")
     fields.update(mod.OFF)
-  if REGISTRY[chosen] is not None:
-    fields.update(importlib.import_module(REGISTRY[chosen]).model_fields(config))
+  own = hook(config, "model_fields")
+  if own is not None:
+    fields.update(own(config))
   return fields
 
 
@@ -54,8 +55,8 @@ def hook(config, name: str):
 
 def objective_for(config, obj):
   """The objective `obj` (built from config.loss) with config.framework's terms added."""
-  module = REGISTRY[check_name(config)]
-  return obj if module is None else importlib.import_module(module).objective(config, obj)
+  add = hook(config, "objective")
+  return obj if add is None else add(config, obj)
 
 
-__all__ = ["Context", "REGISTRY", "Term", "blocks", "check_name", "model_fields", "objective_for"]
+__all__ = ["Context", "REGISTRY", "Term", "blocks", "check_name", "hook", "model_fields", "objective_for"]
