@@ -28,12 +28,11 @@ def main(argv):
   import numpy as np
 
   import hnclip_jax
-  from hnclip_jax import (checkpoint, cli, config as config_lib, diagnostics, experiment, faults, hostmem, optim,
-                          preemption, sharding, storage, train_step)
+  from hnclip_jax import (checkpoint, cli, config as config_lib, diagnostics, experiment, faults, frameworks, hostmem,
+                          optim, preemption, sharding, storage, train_step)
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.evaluation import embedding
   from hnclip_jax.evaluation.retrieval import NonFiniteEmbeddings
-  from hnclip_jax.frameworks.structxlip import StructXLIPTerm
   from hnclip_jax.metrics import MetricsWriter, Progress, log, quiet_libraries
   from hnclip_jax.models import init_params
   from hnclip_jax.workdir import Workdir, check_model_compatible, config_changes
@@ -74,16 +73,10 @@ def main(argv):
   log(experiment.truncation_report(config, tokenizer))
   program = train_step.build_program(config, model_cfg, mesh, rules)  # what tools/compile_for compiles, too
   graphdef, tx, shardings, objective = program.graphdef, program.tx, program.shardings, program.objective
-  sx = objective.term(StructXLIPTerm)
-  if objective.needs_segments or (sx is not None and sx.local_weight > 0):
-    fw = config.framework
-    have, total = builders.count_segments(config.data, config.data.train_split, fw)
-    if not have:
-      raise ValueError(f"config.framework={fw!r}: none of the {total} examples of {config.data.name}/"
-                       f"{config.data.train_split} has a segment (every 'segments' list is empty); its segment "
-                       "terms would be 0. Add segments (docs/frameworks.md) or choose another config.framework")
-    log(f"{fw} segments: {have} of {total} training examples have one (the others are left out of the segment "
-        "terms)")
+  check_data = frameworks.hook(config, "check_data")  # what the framework needs of the data, before compiling
+  if check_data is not None and (note := check_data(config, objective)):
+    log(note)
+  make_inputs = frameworks.hook(config, "inputs")  # the framework's own per-example inputs
 
   # ---- State: newest intact checkpoint, else initial (created on its shardings) ----
   ckpt = wd.checkpointer(max_to_keep=config.max_to_keep, async_save=config.async_checkpointing,
@@ -126,7 +119,8 @@ def main(argv):
       train_source, tokenizer, image_size=model_cfg.image_size, global_batch=config.batch_size, seed=config.seed,
       start_step=start, process_index=jax.process_index(), process_count=jax.process_count(),
       workers=config.workers, segment_patch_size=model_cfg.patch_size if objective.needs_segments else 0,
-      structure=pipeline.StructureSettings.from_config(config.structxlip) if objective.needs_structure else None))
+      structure=pipeline.StructureSettings.from_config(config.structxlip) if objective.needs_structure else None,
+      extra_inputs=None if make_inputs is None else make_inputs(config, model_cfg, tokenizer)))
 
   eval_captions = None  # read once, at the first eval, without decoding images
 

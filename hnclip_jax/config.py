@@ -242,6 +242,9 @@ def adapter_fields(config) -> dict:
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Raises ValueError naming the offending key/value and the fix; returns the config unchanged."""
   known, given = flatten(base_config()), flatten(config)
+  external = frameworks.external_block(config)  # a framework from outside the package: its block's keys are known
+  if external is not None:
+    known.update({f"{external[0]}.{k}": v for k, v in external[1].CONFIG.items()})
   for key in sorted(set(given) - set(known)):
     if key.startswith(BENCHMARKS_PREFIX):
       continue  # named by the config (checked in check_benchmarks)
@@ -251,7 +254,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   for key in POSITIVE:
     if key in given and not given[key] > 0:
       raise ValueError(f"config.{key}={given[key]!r} must be positive")
-  for key in NON_NEGATIVE + tuple(f"{name}.{k}" for name, mod in frameworks.blocks() for k in mod.NON_NEGATIVE):
+  with_blocks = frameworks.blocks() + ([external] if external is not None else [])
+  for key in NON_NEGATIVE + tuple(f"{name}.{k}" for name, mod in with_blocks for k in getattr(mod, "NON_NEGATIVE", ())):
     if key in given and given[key] < 0:
       raise ValueError(f"config.{key}={given[key]!r} must be >= 0")
   for key, value in given.items():

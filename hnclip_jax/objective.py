@@ -16,8 +16,10 @@ the whole batch (the math is in `hnclip_jax.losses`), and the per-device sums ar
 transpose is a reduce-scatter, so gradients stay sharded and equal the single-device ones.
 
 How to add a term: write its math in `losses.py` as a function of a block of rows against the whole batch; wrap it
-in a `frameworks.Term` (its settings as fields; `model_kwargs` for the outputs it reads, `input_keys` for batch
-entries, `schedule` for step-dependent weights) and add it in a framework module's `objective(config, obj)`.
+in a `frameworks.Term` (its settings as fields; `outputs` for model outputs it makes from the towers, or
+`model_kwargs` for those `CLIP.__call__` makes, `input_keys` for batch entries, `schedule` for step-dependent
+weights) and add it in a framework's `objective(config, obj)` (a framework may live outside this package:
+docs/frameworks.md, "Write your own framework").
 Accumulation, telemetry, the gradient comparison and sharding then work without further changes.
 """
 from __future__ import annotations
@@ -125,6 +127,8 @@ class Objective:
     """The model's outputs dict for a batch: inputs {"image" [B, H, W, 3], "tokens" [B, L], and what the terms
     read} (`input_keys`); rng: adapter dropout key."""
     out = model(inputs["image"], inputs["tokens"], dropout_rng=rng, **self.model_inputs(inputs))
+    for i, t in enumerate(self.terms):  # outputs a term makes itself (frameworks.Term.outputs)
+      out.update(t.outputs(model, out, inputs, None if rng is None else jax.random.fold_in(rng, 1000 + i)))
     if not self.needs_tokens:  # the aggregates were made from them; the loss does not read them
       out = {k: v for k, v in out.items() if k not in ("img_tokens", "txt_tokens", "txt_mask")}
     return out

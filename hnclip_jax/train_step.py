@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hnclip_jax import sharding
+from hnclip_jax import frameworks, sharding
 from hnclip_jax.models import bind
 from hnclip_jax.objective import GLOBAL_OUTPUTS, Objective
 from hnclip_jax.optim import (SCALE_PARAM, clamp_logit_scale, freeze_patterns, frozen_predicate, logit_scale_max,
@@ -291,4 +291,8 @@ def abstract_batch(config, model_cfg, mesh) -> dict:
                   "sx_crop_edges": jax.ShapeDtypeStruct((b, k, s, s, 3), jnp.float32, sharding=sh),
                   "sx_crop_valid": jax.ShapeDtypeStruct((b, k), jnp.bool_, sharding=sh),
                   "sx_chunks": jax.ShapeDtypeStruct((b, c, l), jnp.float32, sharding=sh)})
+  specs = frameworks.hook(config, "input_specs")  # a framework's own inputs (frameworks: `inputs`)
+  if specs is not None:
+    for name, (shape, dtype) in specs(config, model_cfg).items():
+      batch[name] = jax.ShapeDtypeStruct((b, *shape), jnp.dtype(dtype), sharding=sh)
   return batch

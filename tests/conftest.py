@@ -129,7 +129,7 @@ def metrics_rows(workdir) -> list:
     return [json.loads(line) for line in f]
 
 
-def check_resume_is_bit_identical(args, workdir, copy_to, last: int, resume_from: int) -> None:
+def check_resume_is_bit_identical(args, workdir, copy_to, last: int, resume_from: int, env_extra=None) -> None:
   """Copies a finished train.py `workdir` to `copy_to`, deletes its step-`last` checkpoint and reruns `args` there:
   it must resume from step `resume_from` and end with bit-identical metrics and parameters."""
   import shutil
@@ -138,7 +138,7 @@ def check_resume_is_bit_identical(args, workdir, copy_to, last: int, resume_from
   from hnclip_jax import pretrained
   shutil.copytree(workdir, copy_to)
   shutil.rmtree(os.path.join(copy_to, "checkpoints", str(last)))
-  proc = run_py([*args, "--workdir", copy_to])
+  proc = run_py([*args, "--workdir", copy_to], env_extra=env_extra)
   assert f"(step {resume_from})" in proc.stdout
   assert metrics_rows(copy_to) == metrics_rows(workdir)
   a, b = pretrained.load(workdir).params, pretrained.load(copy_to).params

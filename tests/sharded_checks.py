@@ -235,6 +235,22 @@ def structxlip():
                                                          local_weight=0.4, structure_margin=True),), data=sx_batch))
 
 
+def plugin():
+  """A framework from outside the package (tests/plugins/patch_align.py: its own input, model output and term) on
+  all five layouts, with global-batch accumulation and 1-row chunks, against one device."""
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "plugins"))
+  from patch_align import PatchAlignTerm
+  r = np.random.default_rng(3)
+  data = dict(batch, pa_weight=r.uniform(0.5, 3.0, B).astype(np.float32))
+  terms = dict(terms=(PatchAlignTerm(weight=0.7),), data=data)
+  ref = grads_on((1, 1, 1), **terms)
+  out["plugin_layouts"] = {}
+  for shape, kw in [*((shape, {}) for shape in LAYOUTS), ((2, 2, 2), {"accum": 2}), ((4, 1, 1), {"chunk": 1})]:
+    loss, grads, _ = grads_on(shape, **kw, **terms)
+    out["plugin_layouts"][f"{shape} {kw}"] = rel(loss, grads, ref)
+  out["plugin_differs"] = abs(ref[0] - grads_on((1, 1, 1))[0]) / ref[0]
+
+
 def _buffer_sizes(hlo: str) -> list[int]:
   return [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"[fs]\d+\[([\d,]*)\]", hlo)]
 
@@ -328,7 +344,7 @@ def ring():
 
 
 SECTIONS = {"core": core, "token": token, "ring": ring, "adapters": adapters_, "finelip": finelip, "goal": goal,
-            "structxlip": structxlip, "memory": memory}
+            "structxlip": structxlip, "memory": memory, "plugin": plugin}
 
 if __name__ == "__main__":
   if os.environ.get("HNCLIP_TEST_XLA_CACHE"):  # the test suite's persistent compilation cache (tests/conftest.py)

@@ -451,3 +451,35 @@ def test_tiny_model_compiles_for_eight_h100s_without_a_gpu():
   a = res["accum"]
   assert 1.2 < a["matmul_flops_per_chip"] / r["matmul_flops_per_chip"] < 1.45, a["matmul_flops_per_chip"]
   assert a["xla_flops_per_chip"] < 0.8 * r["xla_flops_per_chip"] and a["flops_per_chip"] == a["matmul_flops_per_chip"]
+
+
+PLUGIN_SCRIPT = r"""
+import importlib.util, json, sys
+sys.path.insert(0, "tests/plugins")
+from hnclip_jax.tools import compile_for
+spec = importlib.util.spec_from_file_location("cfg", "tests/plugins/patch_align_config.py")
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+reports = {}
+for framework in ("patch_align:PatchAlign", "longclip"):
+  c = mod.get_config()
+  c.framework = framework
+  if framework == "longclip":
+    del c["patch_align"]
+  c.mesh.data, c.mesh.fsdp, c.grad_accum_steps = 2, 2, 2
+  c.model.vocab_size, c.model.eot_token_id = 128, 3
+  reports[framework] = compile_for.compile_report(c, "v5e:2x2")
+print("RESULT " + json.dumps(reports))
+"""
+
+
+@pytest.mark.registry
+def test_a_framework_from_outside_the_package_compiles_for_tpu():
+  """tests/plugins/patch_align.py's framework (its input, its second image-tower pass and its term) compiled by
+  libtpu for a v5e 2x2 (data 2 x fsdp 2, two accumulated micro-batches), next to L_HN alone."""
+  res, _ = run_tpu_script(PLUGIN_SCRIPT)
+  plug, plain = res["patch_align:PatchAlign"], res["longclip"]
+  assert plug["fits"] and plug["devices"] == 4 and plug["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
+  # The extra image-tower pass (and its backward) and the term's B×B scores are in the program: more matmul work
+  # than L_HN alone (1.10x here: 16 patches against 77 text positions, so the image tower is the small one).
+  assert plug["matmul_flops_per_chip"] > 1.05 * plain["matmul_flops_per_chip"] > 0

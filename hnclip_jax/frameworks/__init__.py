@@ -1,15 +1,32 @@
-"""Fine-tuning frameworks as plug-ins (issue 29, in progress). Each framework module owns its config block
-(`CONFIG`, `NON_NEGATIVE` keys, `model_fields(config)`: checks and the architecture fields it implies, `OFF`: those
-fields when another framework is chosen, `TITLE`), its loss terms (a `Term`, see base.py) and how config.<name>
-turns into them (`objective(config, obj)`); its model parts and inputs are still in the core modules. `blocks`,
-`model_fields` and `objective_for` are what the core asks of this package."""
+"""Fine-tuning frameworks as plug-ins. A framework is a module (the built-in ones: finelip.py, goal.py,
+structxlip.py) or any object with the same attributes (`config.framework="package.module:Name"` imports `Name` from
+a module outside this package). All of them are optional:
+
+- `TITLE`, `CONFIG` (its settings' defaults: config.<BLOCK>), `BLOCK` (the block's name; a built-in framework's is
+  its registry name), `NON_NEGATIVE` (keys of the block that must be >= 0), `ALWAYS_READ` (keys read even when
+  another framework is chosen), `OFF` (the architecture fields it sets, as they are under another framework);
+- `model_fields(config)`: checks its block, returns the architecture fields (CLIPConfig) it implies;
+- `objective(config, obj)`: `obj` with its loss terms added (each a `Term`, base.py: the term's math, the extra
+  model outputs it reads, its inputs);
+- `inputs(config, model_cfg, tokenizer)`: a picklable callable (example, caption, image uint8 [H, W, 3], seed, step,
+  index) -> {name: array} that the input pipeline adds to each training example (None: nothing);
+- `input_specs(config, model_cfg)`: {name: (shape without the batch dimension, dtype)} of those entries, for the
+  compiled program (`train_step.abstract_batch`, `tools/compile_for`);
+- `check_data(config, objective)`: before compiling, raises naming what the data lacks; returns a line to log;
+- `logit_scale_max(config)`: a clamp of the learned logit scale.
+
+docs/frameworks.md ("Write your own framework") walks through one. `blocks`, `model_fields`, `objective_for`, `hook`
+and `settings` are what the core asks of this package; nothing outside it names a framework.
+"""
 from __future__ import annotations
 
 import importlib
 
+import ml_collections
+
 from hnclip_jax.frameworks.base import Context, Term
 
-# config.framework -> the module whose objective(config, obj) adds the framework's terms ("longclip": L_HN alone).
+# config.framework -> the module of a built-in framework ("longclip": L_HN alone, no module).
 REGISTRY = {"longclip": None, "finelip": "hnclip_jax.frameworks.finelip", "goal": "hnclip_jax.frameworks.goal",
             "structxlip": "hnclip_jax.frameworks.structxlip"}
 
@@ -19,11 +36,70 @@ def blocks() -> list:
   return [(name, importlib.import_module(m)) for name, m in REGISTRY.items() if m is not None]
 
 
+def resolve(name: str):
+  """config.framework -> the framework (a module or object; None for "longclip"). A name with a colon,
+  "package.module:Name", imports Name from package.module (found on sys.path / PYTHONPATH)."""
+  if name in REGISTRY:
+    return None if REGISTRY[name] is None else importlib.import_module(REGISTRY[name])
+  if ":" not in name:
+    raise ValueError(f"config.framework={name!r}; choose one of {list(REGISTRY)}, or give your own as an import path "
+                     "'package.module:Name' (docs/frameworks.md, \"Write your own framework\")")
+  module, _, attr = name.partition(":")
+  try:
+    mod = importlib.import_module(module)
+  except ImportError as e:
+    raise ValueError(f"config.framework={name!r}: cannot import {module!r} ({e}). Put its folder on PYTHONPATH "
+                     "(or install it) and run again") from None
+  obj = getattr(mod, attr, None)
+  if obj is None:
+    raise ValueError(f"config.framework={name!r}: {module} ({mod.__file__}) has no {attr!r}")
+  return obj
+
+
 def check_name(config) -> str:
   name = config.get("framework", "longclip")
-  if name not in REGISTRY:
-    raise ValueError(f"config.framework={name!r}; choose one of {list(REGISTRY)}")
+  resolve(name)
   return name
+
+
+def block_name(config) -> str | None:
+  """The config block (config.<BLOCK>) of the chosen framework; None when it has no settings."""
+  name = check_name(config)
+  fw = resolve(name)
+  if fw is None or not getattr(fw, "CONFIG", None):
+    return None
+  return name if name in REGISTRY else getattr(fw, "BLOCK", None) or name.rpartition(":")[2].lower()
+
+
+def external_block(config):
+  """(block name, framework) of a chosen framework from outside the registry that has settings, else None. Its
+  block may be absent from the config (its defaults apply) or given by the config file (`use`)."""
+  name = check_name(config)
+  if name in REGISTRY:
+    return None
+  block = block_name(config)
+  return None if block is None else (block, resolve(name))
+
+
+def use(config, name: str):
+  """In a config file: choose the framework `name` ("package.module:Name" or a registered one) and add its
+  settings block with their defaults (config.<BLOCK>), so `--config.<BLOCK>.<key>=...` can change them."""
+  config.framework = name
+  block = block_name(config)
+  if block is not None and block not in config:
+    config[block] = ml_collections.ConfigDict(dict(resolve(name).CONFIG))
+  return config
+
+
+def settings(config):
+  """The chosen framework's settings: its defaults (CONFIG) updated with config.<BLOCK> (None if it has none)."""
+  block = block_name(config)
+  if block is None:
+    return None
+  fw = resolve(check_name(config))
+  merged = ml_collections.ConfigDict(dict(fw.CONFIG))
+  merged.update(dict(config.get(block, {})))
+  return merged
 
 
 def model_fields(config) -> dict:
@@ -48,9 +124,9 @@ def model_fields(config) -> dict:
 
 
 def hook(config, name: str):
-  """The chosen framework module's function `name` (None when it has none, or for "longclip")."""
-  module = REGISTRY[check_name(config)]
-  return None if module is None else getattr(importlib.import_module(module), name, None)
+  """The chosen framework's function `name` (None when it has none, or for "longclip")."""
+  fw = resolve(check_name(config))
+  return None if fw is None else getattr(fw, name, None)
 
 
 def objective_for(config, obj):
@@ -59,4 +135,5 @@ def objective_for(config, obj):
   return obj if add is None else add(config, obj)
 
 
-__all__ = ["Context", "REGISTRY", "Term", "blocks", "check_name", "hook", "model_fields", "objective_for"]
+__all__ = ["Context", "REGISTRY", "Term", "block_name", "blocks", "check_name", "external_block", "hook",
+           "model_fields", "objective_for", "resolve", "settings", "use"]

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from hnclip_jax import losses
 from hnclip_jax.frameworks.base import Term
+from hnclip_jax.frameworks.segments import check_segments
 from hnclip_jax.models.clip import SEGMENT_KEYS
 
 
@@ -72,3 +73,8 @@ def objective(config, obj):
   term = GOALTerm(segment_weight=float(g.segment_weight), patch_weight=float(g.patch_weight),
                   text_weight=float(g.text_weight), segment_margin=bool(g.segment_margin))
   return obj.replace(terms=obj.terms + (term,))
+
+
+def check_data(config, objective) -> str:
+  del objective
+  return check_segments(config)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from hnclip_jax import losses
 from hnclip_jax.frameworks.base import Term
+from hnclip_jax.frameworks.segments import check_segments
 from hnclip_jax.models.clip import STRUCTURE_KEYS
 
 
@@ -120,3 +121,9 @@ def objective(config, obj):
                         decay_epochs=int(x.decay_epochs), steps_per_epoch=max(int(x.steps_per_epoch), 0),
                         tau=float(x.tau), structure_margin=bool(x.structure_margin))
   return obj.replace(terms=obj.terms + (term,))
+
+
+def check_data(config, objective) -> str | None:
+  """Its local term reads segments (the others need none)."""
+  term = objective.term(StructXLIPTerm)
+  return check_segments(config) if term is not None and term.local_weight > 0 else None

@@ -1,0 +1,90 @@
+"""A fine-tuning framework from outside the package (tests/plugins/patch_align.py, chosen with
+--config.framework=patch_align:PatchAlign): no line of hnclip_jax names it, and train.py trains and resumes with it
+bit-identically, eval.py evaluates it, and its input, output and term reach the compiled program. Its mesh
+equivalence is tests/test_sharding.py's `plugin` section; its TPU compile is in test_compile_for.py."""
+import json
+import os
+import pickle
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, check_resume_is_bit_identical, metrics_rows, run_py
+
+PLUGINS = os.path.join(os.path.dirname(__file__), "plugins")
+sys.path.insert(0, PLUGINS)
+CONFIG = "tests/plugins/patch_align_config.py"
+ENV = {"PYTHONPATH": PLUGINS + os.pathsep + ROOT}
+
+
+def _config():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("patch_align_config", os.path.join(ROOT, CONFIG))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
+
+
+def test_an_outside_framework_is_loaded_checked_and_reaches_the_batch():
+  from hnclip_jax import config as config_lib, frameworks, sharding, train_step
+  from hnclip_jax.models.clip import CLIPConfig
+  from hnclip_jax.objective import Objective
+  from patch_align import PatchAlignTerm, WordWeight
+  c = config_lib.validate(_config())
+  assert c.framework == "patch_align:PatchAlign" and frameworks.settings(c).weight == 0.7
+  obj = Objective.from_config(c.loss, c)
+  assert obj.terms == (PatchAlignTerm(weight=0.7),) and obj.term_names == ("hn", "patch_align")
+  assert obj.input_keys == ("image", "tokens", "pa_weight")
+  # The pipeline's per-example input: picklable (grain workers), a pure function of the caption.
+  make = frameworks.hook(c, "inputs")(c, None, None)
+  again = pickle.loads(pickle.dumps(make))
+  assert isinstance(again, WordWeight) and again(None, "a red circle left of a blue square", None, 0, 5, 3) == {
+      "pa_weight": np.float32(1 + 0.1 * 8)}
+  # Its input in the compiled program's batch, sharded like the rest.
+  mesh = sharding.make_mesh(c.mesh)
+  model_cfg = CLIPConfig(embed_dim=32, image_size=32, patch_size=8, vision_width=32, vision_layers=1,
+                         vision_heads=2, vision_mlp_dim=64, text_context=77, vocab_size=128, text_width=32,
+                         text_layers=1, text_heads=2, text_mlp_dim=64, eot_token_id=3)
+  batch = train_step.abstract_batch(c, model_cfg, mesh)
+  assert batch["pa_weight"].shape == (16,) and batch["pa_weight"].dtype == np.float32
+  assert batch["pa_weight"].sharding == batch["tokens"].sharding
+  # Its settings block: defaults apply without one (--config.framework=... on the command line), unknown keys and
+  # negative weights are refused by name, like the built-in frameworks'.
+  bare = config_lib.base_config()
+  bare.framework = "patch_align:PatchAlign"
+  assert frameworks.settings(config_lib.validate(bare)).to_dict() == {"weight": 0.5, "words_scale": 0.1}
+  typo = _config()
+  typo.patch_align.wieght = 1.0
+  with pytest.raises(ValueError, match=r"config.patch_align.wieght; did you mean config.patch_align.weight"):
+    config_lib.validate(typo)
+  neg = _config()
+  neg.patch_align.words_scale = -1.0
+  with pytest.raises(ValueError, match=r"config.patch_align.words_scale=-1.0 must be >= 0"):
+    config_lib.validate(neg)
+  for name, says in (("no_such_module:X", "cannot import 'no_such_module'"),
+                     ("patch_align:Missing", "has no 'Missing'"),
+                     ("clip_plus", "or give your own as an import path 'package.module:Name'")):
+    bad = config_lib.base_config()
+    bad.framework = name
+    with pytest.raises(ValueError, match=f"config.framework='{name}'") as e:
+      config_lib.validate(bad)
+    assert says in str(e.value)
+
+
+def test_an_outside_framework_trains_resumes_bit_identically_and_evaluates(tmp_path, tfds_dir):
+  w = str(tmp_path / "w")
+  args = ["train.py", "--config", CONFIG, f"--config.data.data_dir={tfds_dir}"]
+  run_py([*args, "--workdir", w], env_extra=ENV)
+  rows = [r for r in metrics_rows(w) if "loss" in r]
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  for r in rows:  # the term is logged and is in the loss with its weight (config.patch_align.weight = 0.7)
+    assert r["loss/patch_align"] > 0
+    assert r["loss"] == pytest.approx(r["loss/hn"] + 0.7 * r["loss/patch_align"], rel=1e-5)
+  # Resumed from step 2 (its step-4 checkpoint deleted): bit-identical metrics and parameters.
+  check_resume_is_bit_identical([*args], w, str(tmp_path / "again"), last=4, resume_from=2, env_extra=ENV)
+  run_py(["eval.py", "--config", CONFIG, f"--config.data.data_dir={tfds_dir}", "--workdir", w], env_extra=ENV)
+  res = json.load(open(os.path.join(w, "eval_results.json")))
+  last = [r for r in metrics_rows(w) if "eval/t2i/R@1" in r][-1]
+  assert res["step"] == 4 and all(res[d][k] == pytest.approx(last[f"eval/{d}/{k}"]) for d in ("t2i", "i2t")
+                                  for k in ("R@1", "R@5", "R@10"))
