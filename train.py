@@ -118,9 +118,7 @@ def main(argv):
   batches = iter(pipeline.train_dataset(
       train_source, tokenizer, image_size=model_cfg.image_size, global_batch=config.batch_size, seed=config.seed,
       start_step=start, process_index=jax.process_index(), process_count=jax.process_count(),
-      workers=config.workers, segment_patch_size=model_cfg.patch_size if objective.needs_segments else 0,
-      structure=pipeline.StructureSettings.from_config(config.structxlip) if objective.needs_structure else None,
-      extra_inputs=None if make_inputs is None else make_inputs(config, model_cfg, tokenizer)))
+      workers=config.workers, extra_inputs=None if make_inputs is None else make_inputs(config, model_cfg, tokenizer)))
 
   eval_captions = None  # read once, at the first eval, without decoding images
 

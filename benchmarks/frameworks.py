@@ -74,8 +74,8 @@ def main():
       program, model_cfg, mesh = program_for(cfg, fw, batch)
       obj = program.objective
       sx = base_config().structxlip
-      data = random_batch(model_cfg, batch, mesh, segments=obj.needs_segments,
-                          structure=(int(sx.top_k), int(sx.max_chunks)) if obj.needs_structure else None)
+      data = random_batch(model_cfg, batch, mesh, segments="seg_valid" in obj.input_keys,
+                          structure=(int(sx.top_k), int(sx.max_chunks)) if "sx_edge" in obj.input_keys else None)
       compiled = program.step.lower(program.target(), data).compile()
       flops[fw] = matmul_flops(compiled)
       if a.flops_only:

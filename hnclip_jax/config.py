@@ -179,7 +179,7 @@ def check_benchmarks(config) -> None:
       if key not in data_keys and key not in BENCHMARK_KEYS:
         close = difflib.get_close_matches(key, sorted(data_keys) + list(BENCHMARK_KEYS), n=1)
         raise ValueError(f"unknown key {where}.{key}" + (f"; did you mean {where}.{close[0]}?" if close else "") +
-                         f" (a benchmark takes config.data's keys and 'split')")
+                         " (a benchmark takes config.data's keys and 'split')")
 
 
 ADAPTER_SETTINGS = ("rank", "alpha", "dropout", "targets", "dora_detach_norm")  # only LoRA / DoRA read these

@@ -32,7 +32,6 @@ from jax.sharding import PartitionSpec as P
 
 from hnclip_jax import frameworks, losses, sharding
 from hnclip_jax.frameworks.base import Context
-from hnclip_jax.models.clip import SEGMENT_KEYS, STRUCTURE_KEYS
 
 # Outputs without a batch dimension (everything else in an outputs dict is [B, ...]).
 GLOBAL_OUTPUTS = ("scale",)
@@ -83,18 +82,9 @@ class Objective:
   def needs_tokens(self) -> bool:
     return self.token_weight > 0
 
-  # What the data pipeline and the compiled batch still ask by name (until the frameworks own their inputs).
   @property
   def needs_aggregates(self) -> bool:
     return bool(self.model_kwargs.get("aggregate"))
-
-  @property
-  def needs_segments(self) -> bool:
-    return any(k in SEGMENT_KEYS for k in self.input_keys)
-
-  @property
-  def needs_structure(self) -> bool:
-    return any(k in STRUCTURE_KEYS for k in self.input_keys)
 
   def term(self, cls):
     """This objective's term of type `cls` (None if it has none)."""
@@ -126,9 +116,9 @@ class Objective:
   def forward(self, model, inputs: dict, rng=None) -> dict:
     """The model's outputs dict for a batch: inputs {"image" [B, H, W, 3], "tokens" [B, L], and what the terms
     read} (`input_keys`); rng: adapter dropout key."""
-    out = model(inputs["image"], inputs["tokens"], dropout_rng=rng, **self.model_inputs(inputs))
-    for i, t in enumerate(self.terms):  # outputs a term makes itself (frameworks.Term.outputs)
-      out.update(t.outputs(model, out, inputs, None if rng is None else jax.random.fold_in(rng, 1000 + i)))
+    out, hidden = model.forward(inputs["image"], inputs["tokens"], dropout_rng=rng, **self.model_inputs(inputs))
+    for t in self.terms:  # outputs a term makes itself (frameworks.Term.outputs)
+      out.update(t.outputs(model, out, inputs, rng, hidden))
     if not self.needs_tokens:  # the aggregates were made from them; the loss does not read them
       out = {k: v for k, v in out.items() if k not in ("img_tokens", "txt_tokens", "txt_mask")}
     return out

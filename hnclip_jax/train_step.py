@@ -277,20 +277,6 @@ def abstract_batch(config, model_cfg, mesh) -> dict:
   b, s, l = config.batch_size, model_cfg.image_size, model_cfg.text_context
   batch = {"image": jax.ShapeDtypeStruct((b, s, s, 3), jnp.float32, sharding=sh),
            "tokens": jax.ShapeDtypeStruct((b, l), jnp.int32, sharding=sh)}
-  objective = Objective.from_config(config.loss, config)
-  if objective.needs_segments:
-    p = (s // model_cfg.patch_size) ** 2
-    batch.update({"seg_image": batch["image"], "seg_tokens": batch["tokens"],
-                  "seg_patches": jax.ShapeDtypeStruct((b, p), jnp.float32, sharding=sh),
-                  "seg_span": jax.ShapeDtypeStruct((b, l), jnp.float32, sharding=sh),
-                  "seg_valid": jax.ShapeDtypeStruct((b,), jnp.bool_, sharding=sh)})
-  if objective.needs_structure:
-    sx = config.structxlip
-    k, c = int(sx.top_k), int(sx.max_chunks)
-    batch.update({"sx_edge": batch["image"], "sx_tokens": batch["tokens"],
-                  "sx_crop_edges": jax.ShapeDtypeStruct((b, k, s, s, 3), jnp.float32, sharding=sh),
-                  "sx_crop_valid": jax.ShapeDtypeStruct((b, k), jnp.bool_, sharding=sh),
-                  "sx_chunks": jax.ShapeDtypeStruct((b, c, l), jnp.float32, sharding=sh)})
   specs = frameworks.hook(config, "input_specs")  # a framework's own inputs (frameworks: `inputs`)
   if specs is not None:
     for name, (shape, dtype) in specs(config, model_cfg).items():

@@ -135,7 +135,7 @@ def test_goal_gamma_zero_is_goal_with_plain_infonce_and_margin_changes_the_loss(
 
 
 def pipeline_keys():
-  from hnclip_jax.models.clip import SEGMENT_KEYS
+  from hnclip_jax.frameworks.goal import SEGMENT_KEYS
   return SEGMENT_KEYS
 
 
@@ -171,7 +171,9 @@ def test_model_segment_outputs_match_numpy():
   seg = {"seg_image": r.normal(size=(b, 16, 16, 3)).astype(np.float32),
          "seg_tokens": np.roll(tokens, 1, axis=0).astype(np.int32), "seg_patches": patches, "seg_span": span,
          "seg_valid": np.array([True, True, True, False])}
-  out = model(jnp.asarray(images), jnp.asarray(tokens.astype(np.int32)), segments=seg)
+  # Through the objective's forward pass, as training runs it: the model's outputs plus GOALTerm.outputs.
+  out = goal_objective().forward(model, {"image": jnp.asarray(images), "tokens": jnp.asarray(tokens.astype(np.int32)),
+                                         **seg})
   _, _, img_hidden = model._image_tower(jnp.asarray(images))
   _, _, txt_hidden = model._text_tower(jnp.asarray(tokens.astype(np.int32)))
   ih, th = np.asarray(img_hidden, np.float64), np.asarray(txt_hidden, np.float64)

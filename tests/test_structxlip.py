@@ -14,7 +14,7 @@ from hnclip_jax import config as config_lib, experiment, losses, optim, sharding
 from hnclip_jax.data import pipeline, structure
 from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.models import CLIPConfig, bind, init_params
-from hnclip_jax.frameworks.structxlip import StructXLIPTerm
+from hnclip_jax.frameworks.structxlip import StructXLIPTerm, pool_chunks
 from hnclip_jax.objective import Objective
 from test_losses import np_reference
 from test_goal import _run
@@ -190,7 +190,10 @@ def test_model_structure_outputs_match_numpy():
         "sx_crop_edges": r.normal(size=(b, k, 16, 16, 3)).astype(np.float32),
         "sx_crop_valid": np.array([[True, False], [True, True], [False, False]]), "sx_tokens": tokens,
         "sx_chunks": chunks}
-  out = jax.jit(lambda p, x, t, st: bind(graphdef, p)(x, t, structure=st))(params, sx["sx_edge"], tokens, sx)
+  # Through the objective's forward pass, as training runs it: the model's outputs plus StructXLIPTerm.outputs.
+  obj = Objective(terms=(StructXLIPTerm(),))
+  out = jax.jit(lambda p, x, t, st: obj.forward(bind(graphdef, p), {"image": x, "tokens": t, **st}))(
+      params, sx["sx_edge"], tokens, sx)
   hidden = jax.jit(lambda p, t: bind(graphdef, p)._text_tower(t)[2])(params, tokens)
   h = np.asarray(hidden, np.float64)
   pp = jax.tree.map(np.asarray, params)
@@ -212,7 +215,7 @@ def test_model_structure_outputs_match_numpy():
   np.testing.assert_allclose(out["sx_txt"], jax.jit(lambda p, t: bind(graphdef, p).encode_text(t))(params, tokens),
                              rtol=1e-5, atol=1e-6)
   # No gradient through the pooling weights: d(pool)/d(hidden) is the softmax weights, not their derivative.
-  g = jax.jit(jax.grad(lambda hd: jnp.sum(model.pool_chunks(hd, jnp.asarray(chunks))[0, 0])))(hidden)
+  g = jax.jit(jax.grad(lambda hd: jnp.sum(pool_chunks(model, hd, jnp.asarray(chunks))[0, 0])))(hidden)
   assert np.all(np.asarray(g)[0, 3:] == 0) and np.abs(np.asarray(g)[0, 1:3]).max() > 0
 
 

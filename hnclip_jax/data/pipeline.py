@@ -191,20 +191,13 @@ def structure_inputs(ex, caption: str, image_u8: np.ndarray, tokenizer, image_si
 
 class _Preprocess(grain.transforms.Map):
 
-  def __init__(self, tokenizer, image_size, patch_size: int = 0, structure: StructureSettings | None = None,
-               extra=None):
-    self.tokenizer, self.image_size, self.patch_size, self.structure = tokenizer, image_size, patch_size, structure
-    self.extra = extra
+  def __init__(self, tokenizer, image_size, extra=None):
+    self.tokenizer, self.image_size, self.extra = tokenizer, image_size, extra
 
   def map(self, ex, caption: int = 0, seed: int = 0, step: int = 0, index: int = 0):
     text = captions_of(ex)[caption]
     pixels = resize_center_crop(ex["image"], self.image_size)
     out = {"image": normalize(pixels), "tokens": self.tokenizer([text])[0]}
-    if self.patch_size:
-      out.update(segment_inputs(ex, text, self.tokenizer, self.image_size, self.patch_size, seed, step, index))
-    if self.structure is not None:
-      out.update(structure_inputs(ex, text, pixels, self.tokenizer, self.image_size, self.structure, seed, step,
-                                  index))
     if self.extra is not None:  # a framework's own per-example inputs (frameworks: `inputs`)
       out.update(self.extra(ex, text, pixels, seed, step, index))
     return out
@@ -212,13 +205,12 @@ class _Preprocess(grain.transforms.Map):
 
 class _LoadRows(grain.transforms.MapWithIndex):
   """(step, global batch of example indices) -> this process's rows, read and preprocessed, stacked. An image
-  with several captions contributes the one `caption_choice` picks for this step; with `patch_size`, also the
-  segment inputs (`segment_inputs`) of the segment `segment_choice` picks."""
+  with several captions contributes the one `caption_choice` picks for this step; with `extra`, also a framework's
+  per-example inputs."""
 
-  def __init__(self, source, tokenizer, image_size, rows: slice, seed: int, patch_size: int = 0, structure=None,
-               extra=None):
+  def __init__(self, source, tokenizer, image_size, rows: slice, seed: int, extra=None):
     self.source, self.rows, self.seed = source, rows, seed
-    self.pre = _Preprocess(tokenizer, image_size, patch_size, structure, extra)
+    self.pre = _Preprocess(tokenizer, image_size, extra)
 
   def map_with_index(self, step, indices):
     mine = indices[self.rows]
@@ -234,7 +226,7 @@ class _LoadRows(grain.transforms.MapWithIndex):
 
 def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed: int, start_step: int = 0,
                   process_index: int = 0, process_count: int = 1, workers: int = 0, prefetch: int = 4,
-                  segment_patch_size: int = 0, structure: StructureSettings | None = None, extra_inputs=None):
+                  extra_inputs=None):
   """Infinite iterator of this process's batches: image f32 [b,H,W,3], tokens int32 [b,L], b = global_batch / processes.
 
   The global batch order is shuffled per epoch from `seed` and does not depend on
@@ -242,8 +234,7 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
   hosts read it, each host reading only its own rows. Batch k is a pure function
   of (seed, k), so `start_step` resumes the exact stream of an uninterrupted run.
   An image with several captions appears once per batch, with the caption
-  `caption_choice(seed, k, index)` picks. segment_patch_size > 0 (the model's patch size; GOAL) adds each row's
-  segment inputs (SEGMENT_KEYS, `segment_inputs`); `structure` (StructXLIP) its inputs (`structure_inputs`).
+  `caption_choice(seed, k, index)` picks.
   extra_inputs: a framework's (example, caption, image uint8 [H, W, 3], seed, step, index) -> {name: array}, added
   to each row (hnclip_jax.frameworks: `inputs`); a pure function of its arguments keeps resumes bit-identical.
   """
@@ -255,8 +246,7 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
                      "lower config.batch_size")
   rows = slice(process_index * local, (process_index + 1) * local)
   ds = (grain.MapDataset.range(len(source)).shuffle(seed=seed).batch(global_batch, drop_remainder=True)
-        .repeat().map_with_index(_LoadRows(source, tokenizer, image_size, rows, seed, segment_patch_size,
-                                           structure, extra_inputs))[start_step:])
+        .repeat().map_with_index(_LoadRows(source, tokenizer, image_size, rows, seed, extra_inputs))[start_step:])
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, prefetch), prefetch_buffer_size=prefetch))
   if workers > 0:
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))

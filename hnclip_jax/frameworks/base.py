@@ -44,10 +44,13 @@ class Term:
   - `input_keys`: the batch entries (beyond image and tokens) the model needs for its outputs;
   - `model_kwargs(objective, inputs)`: keyword arguments of the model's __call__ that produce those outputs
     (inputs: the batch entries, or None when only the keys matter);
-  - `outputs(model, out, inputs, rng)`: extra entries of the outputs dict, made by the term itself from the model
-    (a `CLIP`: its towers, e.g. `model.image_tower(pixels, token_layer)`), the outputs so far and its `input_keys`
-    entries; rng: a dropout key for the towers (None: none). Default: none. The core runs it inside the function
-    it differentiates, so gradients flow through whatever it computes;
+  - `outputs(model, out, inputs, rng, hidden)`: extra entries of the outputs dict, made by the term itself from
+    the model (a `CLIP`: its towers, e.g. `model.image_tower(pixels, token_layer)`, and pooling methods), the
+    outputs so far, the batch entries (its `input_keys` among them) and the towers' last-block outputs `hidden`
+    ({"image": [B, 1+P, W], "text": [B, L, W]}); rng: the step's dropout key (None: no dropout; derive your own
+    with `models.clip.dropout_key(rng, i)`, i >= 16: the towers and the built-in frameworks use 0 to 6). Entries
+    other than "scale" have the batch as their first dimension. Default: none. The core runs it inside the
+    function it differentiates, so gradients flow through whatever it computes;
   - `schedule(step)`: replicated values computed outside the mesh function from the train step (e.g. a ramp;
     None: no schedule), handed to __call__ as `sched`;
   - `__call__(out, ctx, sched)` -> (loss contribution, {name: term value}, per-example [n] contribution);
@@ -60,8 +63,8 @@ class Term:
     del objective, inputs
     return {}
 
-  def outputs(self, model, out: dict, inputs: dict, rng=None) -> dict:
-    del model, out, inputs, rng
+  def outputs(self, model, out: dict, inputs: dict, rng=None, hidden=None) -> dict:
+    del model, out, inputs, rng, hidden
     return {}
 
   def schedule(self, step):

@@ -1,19 +1,21 @@
 """GOAL: segment crops against their sentences (InfoNCE, optionally with γ·Ḡ of the sentences), and the alignment
 of pooled patches with the crop and of the caption's sentence span with the sentence, added to L_HN.
 
-This module holds GOAL's config block (`config.goal`) and its loss term. The model side (segment outputs) and the
-inputs (hnclip_jax/data/pipeline.segment_inputs) are still in the core modules; docs/frameworks.md describes the
-method."""
+This module holds all of GOAL: its config block (`config.goal`), its per-example inputs (`inputs`, `input_specs`;
+the segment choice and crops are hnclip_jax/data/pipeline.segment_inputs), its model outputs (`GOALTerm.outputs`:
+a second pass of each tower over the crop and the sentence, the region and span pools of the first pass's last
+block) and its loss term; docs/frameworks.md describes the method."""
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from hnclip_jax import losses
 from hnclip_jax.frameworks.base import Term
 from hnclip_jax.frameworks.segments import check_segments
-from hnclip_jax.models.clip import SEGMENT_KEYS
+from hnclip_jax.models.clip import dropout_key, l2_normalize
 
 
 TITLE = "GOAL"
@@ -28,11 +30,37 @@ NON_NEGATIVE = ("segment_weight", "patch_weight", "text_weight")
 # The architecture fields this framework sets, as they are when another framework is chosen.
 OFF = {}
 ALWAYS_READ = ()
+# Its per-example inputs (made by `inputs`: hnclip_jax.data.pipeline.segment_inputs): the chosen segment's crop
+# [H, W, 3] and sentence tokens [L], the patches under its box [P], the sentence's span in the caption [L], and
+# whether the example has a segment.
+SEGMENT_KEYS = ("seg_image", "seg_tokens", "seg_patches", "seg_span", "seg_valid")
 
 
 def model_fields(config) -> dict:
   del config
   return {}
+
+
+def _masked_mean(x, mask):
+  """x [B, N, W], mask [B, N] float -> [B, W]: the mean of the rows under the mask (zeros where it is empty), fp32
+  accumulation, in x's dtype."""
+  w = mask / jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1.0)
+  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+  return jnp.einsum("bn,bnw->bw", w.astype(x.dtype), x, precision=precision,
+                    preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def pool_patches(model, hidden, mask):
+  """The region embedding: the image tower's last-block patch outputs (hidden [B, 1+P, W], CLS first) averaged over
+  `mask` [B, P] (1 on the patches under the box), then the tower's final LayerNorm and projection (as the CLS token
+  goes) -> [B, E], unnormalised. An all-zero mask gives the LayerNorm of a zero vector (its bias)."""
+  return model.ln_post(_masked_mean(hidden[:, 1:], mask)) @ model.visual_projection[...].astype(hidden.dtype)
+
+
+def pool_span(model, hidden, mask):
+  """The sentence-in-caption embedding: the text tower's last-block outputs (hidden [B, L, W]) averaged over `mask`
+  [B, L] (1 on the sentence's tokens), then the final LayerNorm and projection -> [B, E], unnormalised."""
+  return model.ln_final(_masked_mean(hidden, mask)) @ model.text_projection[...].astype(hidden.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +73,19 @@ class GOALTerm(Term):
   names = ("seg", "patch", "span")
   input_keys = SEGMENT_KEYS
 
-  def model_kwargs(self, objective, inputs=None) -> dict:
-    return {} if inputs is None else {"segments": {k: inputs[k] for k in SEGMENT_KEYS}}
+  def outputs(self, model, out, inputs, rng=None, hidden=None):
+    """"seg_img" (the segment crop's embedding), "seg_txt" (its sentence's), "patch_pool" (`pool_patches` under the
+    box), "span_pool" (`pool_span` over the sentence's tokens in the caption), all [B, E] L2-normalised fp32, and
+    [B] bools "seg_valid", "patch_valid" (a segment whose box covers a patch), "span_valid" (a segment whose
+    sentence was found in the caption's tokens)."""
+    valid = inputs["seg_valid"].astype(bool)
+    patches, span = inputs["seg_patches"].astype(jnp.float32), inputs["seg_span"].astype(jnp.float32)
+    return {"seg_img": l2_normalize(model.image_tower(inputs["seg_image"], rng=dropout_key(rng, 2))[0]),
+            "seg_txt": l2_normalize(model.text_tower(inputs["seg_tokens"], rng=dropout_key(rng, 3))[0]),
+            "patch_pool": l2_normalize(pool_patches(model, hidden["image"], patches)),
+            "span_pool": l2_normalize(pool_span(model, hidden["text"], span)),
+            "seg_valid": valid, "patch_valid": valid & (jnp.sum(patches, axis=1) > 0),
+            "span_valid": valid & (jnp.sum(span, axis=1) > 0)}
 
   def __call__(self, out, ctx, sched):
     del sched
@@ -78,3 +117,29 @@ def objective(config, obj):
 def check_data(config, objective) -> str:
   del objective
   return check_segments(config)
+
+
+class SegmentInputs:
+  """The input pipeline's per-example GOAL inputs (picklable for grain's workers)."""
+
+  def __init__(self, tokenizer, image_size: int, patch_size: int):
+    self.tokenizer, self.image_size, self.patch_size = tokenizer, image_size, patch_size
+
+  def __call__(self, example, caption, image, seed, step, index):
+    from hnclip_jax.data import pipeline
+    del image
+    return pipeline.segment_inputs(example, caption, self.tokenizer, self.image_size, self.patch_size, seed, step,
+                                   index)
+
+
+def inputs(config, model_cfg, tokenizer):
+  del config
+  return SegmentInputs(tokenizer, model_cfg.image_size, model_cfg.patch_size)
+
+
+def input_specs(config, model_cfg) -> dict:
+  del config
+  s, l = model_cfg.image_size, model_cfg.text_context
+  return {"seg_image": ((s, s, 3), "float32"), "seg_tokens": ((l,), "int32"),
+          "seg_patches": (((s // model_cfg.patch_size) ** 2,), "float32"), "seg_span": ((l,), "float32"),
+          "seg_valid": ((), "bool")}

@@ -2,9 +2,11 @@
 consistency 1 − cos, and the multi-positive local term of caption chunks against the example's own segment edge
 crops, with per-epoch weight factors, added to L_HN.
 
-This module holds StructXLIP's config block (`config.structxlip`), its checks and its loss term. The model side
-(edge and chunk outputs), the inputs (hnclip_jax/data/pipeline.structure_inputs) and the logit scale's clamp are
-still in the core modules; docs/frameworks.md describes the method."""
+This module holds all of StructXLIP: its config block (`config.structxlip`) and checks, its per-example inputs
+(`inputs`, `input_specs`; edge maps and chunks are made by hnclip_jax/data/pipeline.structure_inputs with
+hnclip_jax/data/structure.py), its model outputs (`StructXLIPTerm.outputs`: the towers over the edge maps, crops and
+structure caption, and `pool_chunks`), its loss term and its logit-scale clamp; docs/frameworks.md describes the
+method."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 from hnclip_jax import losses
 from hnclip_jax.frameworks.base import Term
 from hnclip_jax.frameworks.segments import check_segments
-from hnclip_jax.models.clip import STRUCTURE_KEYS
+from hnclip_jax.models.clip import dropout_key, l2_normalize
 
 
 TITLE = "StructXLIP"
@@ -61,9 +63,28 @@ def model_fields(config) -> dict:
   return {}
 
 
+# Its per-example inputs (made by `inputs`: hnclip_jax.data.pipeline.structure_inputs): the image's edge map
+# [H, W, 3], the best segments' crops' edge maps [K, H, W, 3] and which exist [K], the caption without appearance
+# words [L] and its word-window chunks [C, L].
+STRUCTURE_KEYS = ("sx_edge", "sx_crop_edges", "sx_crop_valid", "sx_tokens", "sx_chunks")
+
+
 def logit_scale_max(config) -> float:
   """The logit-scale parameter's upper clamp in StructXLIP (the authors' 3.5: s <= 33), not ln 100."""
   return float(config.structxlip.logit_scale_max)
+
+
+def pool_chunks(model, hidden, masks):
+  """The chunk embeddings: for each chunk (masks [B, C, L], 1 on its tokens) the text tower's last-block outputs
+  (hidden [B, L, W]) weighted by a softmax, over the chunk's tokens, of their norms (a constant: no gradient through
+  the weights), then the final LayerNorm and projection -> [B, C, E], unnormalised."""
+  norms = jax.lax.stop_gradient(jnp.linalg.norm(hidden.astype(jnp.float32), axis=-1))  # [B, L]
+  inside = masks > 0
+  w = jax.nn.softmax(jnp.where(inside, norms[:, None, :], -1e30), axis=-1) * inside  # empty chunk: all 0
+  precision = jax.lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
+  pooled = jnp.einsum("bcl,blw->bcw", w.astype(hidden.dtype), hidden, precision=precision,
+                      preferred_element_type=jnp.float32).astype(hidden.dtype)
+  return model.ln_final(pooled) @ model.text_projection[...].astype(hidden.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +101,22 @@ class StructXLIPTerm(Term):
   names = ("struct", "consist", "local")
   input_keys = STRUCTURE_KEYS
 
-  def model_kwargs(self, objective, inputs=None) -> dict:
-    return {} if inputs is None else {"structure": {k: inputs[k] for k in STRUCTURE_KEYS}}
+  def outputs(self, model, out, inputs, rng=None, hidden=None):
+    """"sx_edge_img" (the edge map's embedding), "sx_crop_img" [B, K, E] (the segment crops' edge maps'), "sx_txt"
+    (the caption without appearance words), "sx_chunks" [B, C, E] (`pool_chunks` of that caption's chunks), all
+    L2-normalised fp32, and bools "sx_crop_valid" [B, K], "sx_chunk_valid" [B, C] (a chunk with a token)."""
+    crops = inputs["sx_crop_edges"]
+    b, k = crops.shape[:2]
+    res = {"sx_edge_img": l2_normalize(model.image_tower(inputs["sx_edge"], rng=dropout_key(rng, 4))[0])}
+    crop_emb = model.image_tower(crops.reshape(b * k, *crops.shape[2:]), rng=dropout_key(rng, 5))[0]
+    res["sx_crop_img"] = l2_normalize(crop_emb).reshape(b, k, -1)
+    sx_txt, _, sx_hidden = model.text_tower_hidden(inputs["sx_tokens"], rng=dropout_key(rng, 6))
+    masks = inputs["sx_chunks"].astype(jnp.float32)
+    res["sx_txt"] = l2_normalize(sx_txt)
+    res["sx_chunks"] = l2_normalize(pool_chunks(model, sx_hidden, masks))
+    res["sx_crop_valid"] = inputs["sx_crop_valid"].astype(bool)
+    res["sx_chunk_valid"] = jnp.sum(masks, axis=-1) > 0
+    return res
 
   def schedule(self, step):
     """The per-epoch weight factors at `step` ([3]: structure, consistency, local; None: epoch 0): 1 in epochs 0
@@ -127,3 +162,28 @@ def check_data(config, objective) -> str | None:
   """Its local term reads segments (the others need none)."""
   term = objective.term(StructXLIPTerm)
   return check_segments(config) if term is not None and term.local_weight > 0 else None
+
+
+class StructureInputs:
+  """The input pipeline's per-example StructXLIP inputs (picklable for grain's workers)."""
+
+  def __init__(self, tokenizer, image_size: int, settings):
+    self.tokenizer, self.image_size, self.settings = tokenizer, image_size, settings
+
+  def __call__(self, example, caption, image, seed, step, index):
+    from hnclip_jax.data import pipeline
+    return pipeline.structure_inputs(example, caption, image, self.tokenizer, self.image_size, self.settings, seed,
+                                     step, index)
+
+
+def inputs(config, model_cfg, tokenizer):
+  from hnclip_jax.data import pipeline
+  return StructureInputs(tokenizer, model_cfg.image_size, pipeline.StructureSettings.from_config(config.structxlip))
+
+
+def input_specs(config, model_cfg) -> dict:
+  s, l = model_cfg.image_size, model_cfg.text_context
+  k, c = int(config.structxlip.top_k), int(config.structxlip.max_chunks)
+  return {"sx_edge": ((s, s, 3), "float32"), "sx_tokens": ((l,), "int32"),
+          "sx_crop_edges": ((k, s, s, 3), "float32"), "sx_crop_valid": ((k,), "bool"),
+          "sx_chunks": ((c, l), "float32")}

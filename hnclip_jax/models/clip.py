@@ -15,10 +15,6 @@ from flax import nnx
 
 from hnclip_jax.sharding import constrain_batch
 
-# GOAL's per-example segment inputs (made by hnclip_jax.data.pipeline.segment_inputs, read by `CLIP.__call__`).
-SEGMENT_KEYS = ("seg_image", "seg_tokens", "seg_patches", "seg_span", "seg_valid")
-# StructXLIP's per-example inputs (hnclip_jax.data.pipeline.structure_inputs).
-STRUCTURE_KEYS = ("sx_edge", "sx_crop_edges", "sx_crop_valid", "sx_tokens", "sx_chunks")
 LOGIT_SCALE_MAX = 100.0
 # The logit-scale *parameter* p (s = exp(p)) is clamped to [0, ln 100] after each optimizer update, as OpenAI's and
 # open_clip's training do (train_step), never in the forward pass: a clamp there would give s a gradient of exactly
@@ -370,18 +366,15 @@ def init_aggregators(cfg, seed: int) -> dict:
   return {k: nnx.to_pure_dict(nnx.state(m, nnx.Param)) for k, m in mods.items()}
 
 
-def _masked_mean(x, mask):
-  """x [B, N, W], mask [B, N] float -> [B, W]: the mean of the rows under the mask (zeros where it is empty), fp32
-  accumulation, in x's dtype."""
-  w = mask / jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1.0)
-  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-  return jnp.einsum("bn,bnw->bw", w.astype(x.dtype), x, precision=precision,
-                    preferred_element_type=jnp.float32).astype(x.dtype)
-
-
 def _l2_normalize(x):
   x = x.astype(jnp.float32)
   return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), 1e-12))
+
+
+# For a framework's terms that make outputs of their own (frameworks.Term.outputs): the towers' normalisation and
+# dropout-key derivation.
+l2_normalize = _l2_normalize
+dropout_key = _key
 
 
 class CLIP(nnx.Module):
@@ -448,6 +441,11 @@ class CLIP(nnx.Module):
     unnormalised; `token_layer` as in `image_tower` (the final LayerNorm and projection apply to every token)."""
     return self._text_tower(tokens, token_layer, rng)[:2]
 
+  def text_tower_hidden(self, tokens, token_layer: int | None = None, rng=None):
+    """`text_tower`'s (pooled, tokens) and the last block's output [B, L, W] (before the final LayerNorm), for a
+    framework's term that pools it."""
+    return self._text_tower(tokens, token_layer, rng)
+
   def _text_tower(self, tokens, token_layer=None, rng=None):
     """`text_tower`'s (pooled, tokens) and the last block's output [B, L, W] (before the final LayerNorm)."""
     dt = jnp.dtype(self.cfg.dtype)
@@ -464,29 +462,6 @@ class CLIP(nnx.Module):
       return pooled @ proj, None, h
     tok_proj = self.text_token_projection[...].astype(dt) if self.cfg.token_projection == "separate" else proj
     return pooled @ proj, self.ln_final(kept) @ tok_proj, h
-
-  def pool_patches(self, hidden, mask):
-    """GOAL's region embedding: the image tower's last-block patch outputs (hidden [B, 1+P, W], CLS first) averaged
-    over `mask` [B, P] (1 on the patches under the box), then the tower's final LayerNorm and projection (as the
-    CLS token goes) -> [B, E], unnormalised. An all-zero mask gives the LayerNorm of a zero vector (its bias)."""
-    return self.ln_post(_masked_mean(hidden[:, 1:], mask)) @ self.visual_projection[...].astype(hidden.dtype)
-
-  def pool_chunks(self, hidden, masks):
-    """StructXLIP's chunk embeddings: for each chunk (masks [B, C, L], 1 on its tokens) the text tower's last-block
-    outputs (hidden [B, L, W]) weighted by a softmax, over the chunk's tokens, of their norms (a constant: no
-    gradient through the weights), then the final LayerNorm and projection -> [B, C, E], unnormalised."""
-    norms = jax.lax.stop_gradient(jnp.linalg.norm(hidden.astype(jnp.float32), axis=-1))  # [B, L]
-    inside = masks > 0
-    w = jax.nn.softmax(jnp.where(inside, norms[:, None, :], -1e30), axis=-1) * inside  # empty chunk: all 0
-    precision = jax.lax.Precision.HIGHEST if hidden.dtype == jnp.float32 else None
-    pooled = jnp.einsum("bcl,blw->bcw", w.astype(hidden.dtype), hidden, precision=precision,
-                        preferred_element_type=jnp.float32).astype(hidden.dtype)
-    return self.ln_final(pooled) @ self.text_projection[...].astype(hidden.dtype)
-
-  def pool_span(self, hidden, mask):
-    """GOAL's sentence-in-caption embedding: the text tower's last-block outputs (hidden [B, L, W]) averaged over
-    `mask` [B, L] (1 on the sentence's tokens), then the final LayerNorm and projection -> [B, E], unnormalised."""
-    return self.ln_final(_masked_mean(hidden, mask)) @ self.text_projection[...].astype(hidden.dtype)
 
   def eot_positions(self, tokens):  # [B, L] int -> [B] first end-of-text position
     return jnp.argmax(tokens == self.cfg.eot_token_id, axis=1)
@@ -530,52 +505,28 @@ class CLIP(nnx.Module):
     return self.aggregate_text(self.text_tower(tokens, token_layer)[1], tokens)
 
   def __call__(self, pixels, tokens, *, token_layer: int | None = None, image_cls_token: bool = False,
-               aggregate: bool = False, segments: dict | None = None, structure: dict | None = None,
-               dropout_rng=None):
-    """The training forward pass: pixels [B, H, W, 3], tokens [B, L] -> outputs dict.
+               aggregate: bool = False, dropout_rng=None):
+    """The training forward pass: pixels [B, H, W, 3], tokens [B, L] -> outputs dict (`forward`'s first half)."""
+    return self.forward(pixels, tokens, token_layer=token_layer, image_cls_token=image_cls_token,
+                        aggregate=aggregate, dropout_rng=dropout_rng)[0]
+
+  def forward(self, pixels, tokens, *, token_layer: int | None = None, image_cls_token: bool = False,
+              aggregate: bool = False, dropout_rng=None):
+    """The training forward pass: pixels [B, H, W, 3], tokens [B, L] -> (outputs dict, hidden).
 
     Always: "img", "txt" [B, E] L2-normalised fp32 and "scale" (s, a scalar: the only entry without a batch
     dimension). With `token_layer` (what a token-level loss term asks for): "img_tokens" [B, P, E] (P patches, or
     1+P with `image_cls_token`) and "txt_tokens" [B, L, E], L2-normalised per token, in the compute dtype, and
     "txt_mask" [B, L] bool, True on the real tokens (start through the first end-of-text, never padding).
     With `aggregate` (FineLIP; needs token_layer too): "img_agg" [B, 1+K, E] and "txt_agg" [B, K+1, E] (`aggregate`).
-    With `segments` (GOAL; the input pipeline's SEGMENT_KEYS: seg_image [B, H, W, 3], seg_tokens [B, L],
-    seg_patches [B, P], seg_span [B, L], seg_valid [B] bool): "seg_img" (the segment crop's embedding), "seg_txt"
-    (its sentence's), "patch_pool" (`pool_patches` under the box), "span_pool" (`pool_span` over the sentence's
-    tokens in the caption), all [B, E] L2-normalised fp32, and [B] bools "seg_valid", "patch_valid" (a segment
-    whose box covers a patch), "span_valid" (a segment whose sentence was found in the caption's tokens).
-    With `structure` (StructXLIP; STRUCTURE_KEYS: sx_edge [B, H, W, 3], sx_crop_edges [B, K, H, W, 3],
-    sx_crop_valid [B, K] bool, sx_tokens [B, L], sx_chunks [B, C, L]): "sx_edge_img" (the edge map's embedding),
-    "sx_crop_img" [B, K, E] (the segment crops' edge maps'), "sx_txt" (the caption without appearance words),
-    "sx_chunks" [B, C, E] (`pool_chunks` of that caption's chunks), all L2-normalised fp32, and bools
-    "sx_crop_valid" [B, K], "sx_chunk_valid" [B, C] (a chunk with at least one token).
+    hidden: {"image": [B, 1+P, W], "text": [B, L, W]}, the towers' last-block outputs (before the final LayerNorm),
+    for a framework's terms that pool them (frameworks.Term.outputs; unused ones cost nothing once compiled).
     dropout_rng: a key for the adapters' dropout (training); None (eval, and every model without it) is no dropout.
+    The towers use its fold-ins 0 and 1; the built-in frameworks' passes 2 to 6.
     """
     img, img_tok, img_hidden = self._image_tower(pixels, token_layer, _key(dropout_rng, 0))
     txt, txt_tok, txt_hidden = self._text_tower(tokens, token_layer, _key(dropout_rng, 1))
     out = {"img": _l2_normalize(img), "txt": _l2_normalize(txt), "scale": self.scale()}
-    if segments is not None:
-      valid = segments["seg_valid"].astype(bool)
-      patches, span = segments["seg_patches"].astype(jnp.float32), segments["seg_span"].astype(jnp.float32)
-      out["seg_img"] = _l2_normalize(self.image_tower(segments["seg_image"], rng=_key(dropout_rng, 2))[0])
-      out["seg_txt"] = _l2_normalize(self.text_tower(segments["seg_tokens"], rng=_key(dropout_rng, 3))[0])
-      out["patch_pool"] = _l2_normalize(self.pool_patches(img_hidden, patches))
-      out["span_pool"] = _l2_normalize(self.pool_span(txt_hidden, span))
-      out["seg_valid"] = valid
-      out["patch_valid"] = valid & (jnp.sum(patches, axis=1) > 0)
-      out["span_valid"] = valid & (jnp.sum(span, axis=1) > 0)
-    if structure is not None:
-      crops = structure["sx_crop_edges"]
-      b, k = crops.shape[:2]
-      out["sx_edge_img"] = _l2_normalize(self.image_tower(structure["sx_edge"], rng=_key(dropout_rng, 4))[0])
-      crop_emb = self.image_tower(crops.reshape(b * k, *crops.shape[2:]), rng=_key(dropout_rng, 5))[0]
-      out["sx_crop_img"] = _l2_normalize(crop_emb).reshape(b, k, -1)
-      sx_txt, _, sx_hidden = self._text_tower(structure["sx_tokens"], rng=_key(dropout_rng, 6))
-      masks = structure["sx_chunks"].astype(jnp.float32)
-      out["sx_txt"] = _l2_normalize(sx_txt)
-      out["sx_chunks"] = _l2_normalize(self.pool_chunks(sx_hidden, masks))
-      out["sx_crop_valid"] = structure["sx_crop_valid"].astype(bool)
-      out["sx_chunk_valid"] = jnp.sum(masks, axis=-1) > 0
     if aggregate:
       if token_layer is None:
         raise ValueError("aggregate=True needs token_layer (the tokens to aggregate)")
@@ -587,7 +538,7 @@ class CLIP(nnx.Module):
       out["img_tokens"] = _l2_normalize(img_tok).astype(dt)
       out["txt_tokens"] = _l2_normalize(txt_tok).astype(dt)
       out["txt_mask"] = jnp.arange(tokens.shape[1])[None, :] <= self.eot_positions(tokens)[:, None]
-    return out
+    return out, {"image": img_hidden, "text": txt_hidden}
 
 
 def split_params(model: CLIP):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnclip_jax import frameworks, losses
+from hnclip_jax.models.clip import dropout_key
 
 
 class PatchAlign:
@@ -54,9 +55,10 @@ class PatchAlignTerm(frameworks.Term):
   names = ("patch_align",)
   input_keys = ("pa_weight",)
 
-  def outputs(self, model, out, inputs, rng=None):
-    # The image tower's projected tokens of the last block (CLS first), averaged over the patches.
-    _, tokens = model.image_tower(inputs["image"], token_layer=-1, rng=rng)
+  def outputs(self, model, out, inputs, rng=None, hidden=None):
+    # The image tower's projected tokens of the last block (CLS first), averaged over the patches; a second pass
+    # of the tower, with its own dropout key (the towers and the built-in frameworks use 0 to 6).
+    _, tokens = model.image_tower(inputs["image"], token_layer=-1, rng=dropout_key(rng, 16))
     mean = jnp.mean(tokens[:, 1:].astype(jnp.float32), axis=1)
     return {"pa_patches": mean / jnp.linalg.norm(mean, axis=-1, keepdims=True), "pa_weight": inputs["pa_weight"]}
 
