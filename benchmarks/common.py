@@ -111,31 +111,27 @@ def make_step(cfg, gamma: float, mesh, opt_overrides=None, loss_overrides=None, 
   return step, tx, sh, graphdef, run_cfg
 
 
-def random_batch(cfg, batch: int, mesh, seed: int = 0, segments: bool = False, structure=None):
+def random_batch(cfg, batch: int, mesh, seed: int = 0, extra=None):
   """A global batch for model config `cfg` on `mesh`: normal-noise images and full-length token rows
-  (BOS id 1, random ids, EOT); with `segments`, GOAL's segment inputs too (crops, sentences, a box of a quarter of
-  the patches, a span of a quarter of the caption, every row valid); with `structure` = (top_k, max_chunks),
-  StructXLIP's inputs."""
+  (BOS id 1, random ids, EOT); `extra`: a framework's further inputs as {name: ShapeDtypeStruct [batch, ...]}
+  (`train_step.abstract_batch`), filled by kind: images (a trailing [S, S, 3]) with noise, token rows with the
+  captions rolled by one, other floats (masks) with 1 on a random quarter, bools with True."""
   import numpy as np
   from hnclip_jax import sharding
   r = np.random.default_rng(seed)
   ids = np.concatenate([np.full((batch, 1), 1), r.integers(4, cfg.vocab_size - 1, (batch, cfg.text_context - 2)),
                         np.full((batch, 1), cfg.eot_token_id)], 1).astype(np.int32)
-  image = lambda: r.normal(size=(batch, cfg.image_size, cfg.image_size, 3)).astype(np.float32)  # noqa: E731
-  data = {"image": image(), "tokens": ids}
-  if segments:
-    g, length = cfg.image_size // cfg.patch_size, cfg.text_context
-    patches = np.zeros((batch, g, g), np.float32)
-    patches[:, :g // 2, :g // 2] = 1
-    span = np.zeros((batch, length), np.float32)
-    span[:, 1:1 + length // 4] = 1
-    data.update(seg_image=image(), seg_tokens=np.roll(ids, 1, axis=0), seg_patches=patches.reshape(batch, -1),
-                seg_span=span, seg_valid=np.ones(batch, bool))
-  if structure is not None:  # StructXLIP: (top_k crops, max_chunks); every crop valid, 16 chunks of 3 tokens each
-    k, c = structure
-    chunks = np.zeros((batch, c, cfg.text_context), np.float32)
-    for j in range(min(16, c, cfg.text_context - 4)):
-      chunks[:, j, 1 + j:4 + j] = 1
-    data.update(sx_edge=image(), sx_crop_edges=r.normal(size=(batch, k, cfg.image_size, cfg.image_size, 3)).astype(
-        np.float32), sx_crop_valid=np.ones((batch, k), bool), sx_tokens=np.roll(ids, 2, axis=0), sx_chunks=chunks)
+  data = {"image": r.normal(size=(batch, cfg.image_size, cfg.image_size, 3)).astype(np.float32), "tokens": ids}
+  for name, spec in (extra or {}).items():
+    if name in data:
+      continue
+    shape, dtype = tuple(spec.shape), np.dtype(spec.dtype)
+    if dtype == np.bool_:
+      data[name] = np.ones(shape, bool)
+    elif np.issubdtype(dtype, np.integer):
+      data[name] = np.roll(ids, 1, axis=0).astype(dtype)
+    elif shape[-3:] == (cfg.image_size, cfg.image_size, 3):
+      data[name] = r.normal(size=shape).astype(dtype)
+    else:
+      data[name] = (r.random(shape) < 0.25).astype(dtype)
   return sharding.to_global(data, mesh)

@@ -28,9 +28,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import alternating_times, dump, matmul_flops, random_batch, table  # noqa: E402
+from hnclip_jax.frameworks import REGISTRY  # noqa: E402
 from hnclip_jax.models import PRESETS  # noqa: E402
 
-FRAMEWORKS = ("longclip", "finelip", "goal", "structxlip")
+FRAMEWORKS = tuple(REGISTRY)  # the built-in frameworks ("longclip" first: the reference)
 
 
 def program_for(cfg, framework: str, batch: int):
@@ -45,7 +46,8 @@ def program_for(cfg, framework: str, batch: int):
   config.diagnostics.log = False
   model_cfg = dataclasses.replace(cfg, **config_lib.framework_fields(config)).validate()
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
-  return train_step.build_program(config, model_cfg, mesh, sharding.parse_rules(config.mesh.rules)), model_cfg, mesh
+  program = train_step.build_program(config, model_cfg, mesh, sharding.parse_rules(config.mesh.rules))
+  return program, model_cfg, mesh, config
 
 
 def main():
@@ -60,7 +62,6 @@ def main():
   a = ap.parse_args()
   batches = {k: int(v) for k, v in (kv.split("=") for kv in a.batch.split(","))}
   from hnclip_jax import train_step
-  from hnclip_jax.config import base_config
   from hnclip_jax.models import init_params
   rows = []
   for name in a.models.split(","):
@@ -71,11 +72,8 @@ def main():
     if unknown:
       raise SystemExit(f"--frameworks: unknown {unknown}; choose from {list(FRAMEWORKS[1:])}")
     for fw in frameworks:
-      program, model_cfg, mesh = program_for(cfg, fw, batch)
-      obj = program.objective
-      sx = base_config().structxlip
-      data = random_batch(model_cfg, batch, mesh, segments="seg_valid" in obj.input_keys,
-                          structure=(int(sx.top_k), int(sx.max_chunks)) if "sx_edge" in obj.input_keys else None)
+      program, model_cfg, mesh, config = program_for(cfg, fw, batch)
+      data = random_batch(model_cfg, batch, mesh, extra=train_step.abstract_batch(config, model_cfg, mesh))
       compiled = program.step.lower(program.target(), data).compile()
       flops[fw] = matmul_flops(compiled)
       if a.flops_only:

@@ -18,6 +18,7 @@ no warmup. Ḡ spans the whole effective batch of 128 (config.loss.negatives="gl
 16). Seed 42 (the paper also reports 43).
 """
 from hnclip_jax.config import base_config, model_config
+from hnclip_jax.frameworks import REGISTRY
 
 # Training-split sizes (pairs), for 10 epochs of steps.
 TRAIN_PAIRS = {"docci": 9450, "dci": 5445, "long_dci": 5445, "urban1k": 14579, "synthetic": 4096}
@@ -25,7 +26,7 @@ TRAIN_PAIRS = {"docci": 9450, "dci": 5445, "long_dci": 5445, "urban1k": 14579, "
 
 BENCHMARKS = ("docci", "dci", "long_dci", "urban1k")  # the paper's four (Table 1)
 METHODS = ("full", "lora", "dora")
-FRAMEWORKS = ("longclip", "finelip", "goal", "structxlip")
+FRAMEWORKS = tuple(REGISTRY)  # the built-in frameworks; a recipe for each below (one from outside: --config.framework)
 
 
 def get_config(variant: str = "synthetic"):
