@@ -199,11 +199,13 @@ def test_workdir_that_is_a_file(tmp_path, tfds_dir):
   assert proc.returncode == 2 and "is a file" in proc.stderr
 
 
-def test_restore_onto_other_layouts(tmp_path, tfds_dir):
+def test_restore_onto_other_layouts(tmp_path, tfds_dir, reference):
+  """A run on 8 devices (data 2 x fsdp 4) killed after its step-4 checkpoint, resumed on 1 device, on data 8 and on
+  data 2 x fsdp 2 x tensor 2: each continues with the losses of the uninterrupted run (`reference`, one device;
+  the layouts' equality with one device is tests/test_sharding.py's), and eval.py gives the same numbers on 1 and on
+  8 devices."""
   layout = lambda d, f, t: [f"--config.mesh.data={d}", f"--config.mesh.fsdp={f}", f"--config.mesh.tensor={t}"]
-  full = tmp_path / "full"
-  train(full, tfds_dir, *layout(2, 4, 1), devices=8)
-  want = {r["step"]: r["loss"] for r in metrics(full) if "loss" in r}
+  want = {r["step"]: r["loss"] for r in reference[2] if "loss" in r}
   part = tmp_path / "part"
   # Synchronous saves here, so checkpoint 4 is surely complete when step 5 is killed.
   train(part, tfds_dir, *layout(2, 4, 1), "--config.async_checkpointing=false", devices=8, fault="kill@5",
@@ -218,14 +220,15 @@ def test_restore_onto_other_layouts(tmp_path, tfds_dir):
     assert sorted(got) == list(range(1, 9))
     for s in range(5, 9):
       assert got[s] == pytest.approx(want[s], rel=1e-5), (name, s)
-  # eval.py on any device count gives the same numbers.
+  # eval.py on any device count gives the same numbers (on the run finished on data 2 x fsdp 2 x tensor 2).
   results = []
   for devices in (1, 8):
-    run_py(["eval.py", "--config", "configs/demo.py:test", "--workdir", str(full), f"--config.data.data_dir={tfds_dir}",
-            *(layout(1, 1, 1) if devices == 1 else layout(4, 1, 2))], devices=devices)
-    with open(full / "eval_results.json") as f:
+    run_py(["eval.py", "--config", "configs/demo.py:test", "--workdir", str(tmp_path / "tp"),
+            f"--config.data.data_dir={tfds_dir}", *(layout(1, 1, 1) if devices == 1 else layout(4, 1, 2))],
+           devices=devices)
+    with open(tmp_path / "tp" / "eval_results.json") as f:
       results.append(json.load(f))
-  assert results[0] == results[1]
+  assert results[0] == results[1] and results[0]["step"] == 8
 
 
 # ---- faults of real file systems and real optimisation (docs/reliability.md, "When the machine misbehaves") ------
