@@ -13,6 +13,7 @@ import ml_collections
 import jax
 import numpy as np
 
+from hnclip_jax import frameworks
 from hnclip_jax.checkpoint import IncompatibleCheckpoint
 from hnclip_jax.data import builders, pipeline
 from hnclip_jax.data.tokenizer import WordTokenizer
@@ -190,19 +191,10 @@ def model_config(config, tokenizer) -> CLIPConfig:
 
 
 def resolve_epoch_settings(config, num_train: int):
-  """Settings given in epochs of the training split (-1 = one epoch) as steps: config.finelip.ramp_steps,
-  config.structxlip.steps_per_epoch."""
-  epoch = max(num_train // config.batch_size, 1)
-  fw = config.get("framework")
-  if fw == "finelip" and int(config.finelip.ramp_steps) == -1:
-    config = copy.deepcopy(config)
-    with config.unlocked():
-      config.finelip.ramp_steps = epoch
-  if fw == "structxlip" and int(config.structxlip.steps_per_epoch) == -1:
-    config = copy.deepcopy(config)
-    with config.unlocked():
-      config.structxlip.steps_per_epoch = epoch
-  return config
+  """A framework's settings given in epochs of the training split (-1 = one epoch) as steps (its `resolve_epochs`:
+  config.finelip.ramp_steps, config.structxlip.steps_per_epoch)."""
+  resolve = frameworks.hook(config, "resolve_epochs")
+  return config if resolve is None else resolve(config, max(num_train // config.batch_size, 1))
 
 
 def with_aggregators(params: dict, cfg: CLIPConfig, seed: int, source: str) -> dict:

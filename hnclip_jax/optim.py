@@ -100,8 +100,9 @@ def freeze_patterns(config, model_cfg) -> tuple:
   freeze = [config.finetune.freeze] if isinstance(config.finetune.freeze, str) else list(config.finetune.freeze)
   if model_cfg.adapter != "none":
     kept = [r".*(?:/lora/lora_[ab]|/magnitude)$", f"{SCALE_PARAM}$"]  # adapter leaves (adapters.ADAPTER_LEAF)
-    if model_cfg.aggregate_tokens:
-      kept.append(r"(?:image|text)_aggregator/")
+    own = frameworks.hook(config, "trained_with_adapters")  # a framework's new modules (FineLIP's aggregators)
+    if own is not None:
+      kept.extend(own(model_cfg))
     freeze.append(f"^(?!(?:{'|'.join(kept)}))")
   return tuple(freeze)
 

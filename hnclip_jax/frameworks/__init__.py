@@ -13,7 +13,10 @@ a module outside this package). All of them are optional:
 - `input_specs(config, model_cfg)`: {name: (shape without the batch dimension, dtype)} of those entries, for the
   compiled program (`train_step.abstract_batch`, `tools/compile_for`);
 - `check_data(config, objective)`: before compiling, raises naming what the data lacks; returns a line to log;
-- `logit_scale_max(config)`: a clamp of the learned logit scale.
+- `logit_scale_max(config)`: a clamp of the learned logit scale;
+- `resolve_epochs(config, steps_per_epoch)`: its settings given in epochs (-1 = one) as steps, once the training
+  split's size is known;
+- `trained_with_adapters(model_cfg)`: regexes of parameters that train under LoRA / DoRA though not adapters.
 
 docs/frameworks.md ("Write your own framework") walks through one. `blocks`, `model_fields`, `objective_for`, `hook`
 and `settings` are what the core asks of this package; nothing outside it names a framework.

@@ -5,6 +5,7 @@ aggregators, `CLIPConfig.aggregate_tokens`) is still in hnclip_jax/models/clip.p
 method."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import jax.numpy as jnp
@@ -45,6 +46,22 @@ def model_fields(config) -> dict:
   if not 0 <= float(f.score_weight) <= 1:
     raise ValueError(f"config.finelip.score_weight={f.score_weight} must be in [0, 1]")
   return {"aggregate_tokens": int(f.tokens), "aggregate_hidden_ratio": float(f.hidden_ratio)}
+
+
+def trained_with_adapters(model_cfg) -> tuple:
+  """Parameters (path regexes) that train under LoRA / DoRA although they are not adapters: the aggregators, new
+  and randomly initialised."""
+  return (r"(?:image|text)_aggregator/",) if model_cfg.aggregate_tokens else ()
+
+
+def resolve_epochs(config, steps_per_epoch: int):
+  """config.finelip.ramp_steps = -1 (one epoch) as steps."""
+  if int(config.finelip.ramp_steps) != -1:
+    return config
+  config = copy.deepcopy(config)
+  with config.unlocked():
+    config.finelip.ramp_steps = steps_per_epoch
+  return config
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ structure caption, and `pool_chunks`), its loss term and its logit-scale clamp; 
 method."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import jax
@@ -67,6 +68,16 @@ def model_fields(config) -> dict:
 # [H, W, 3], the best segments' crops' edge maps [K, H, W, 3] and which exist [K], the caption without appearance
 # words [L] and its word-window chunks [C, L].
 STRUCTURE_KEYS = ("sx_edge", "sx_crop_edges", "sx_crop_valid", "sx_tokens", "sx_chunks")
+
+
+def resolve_epochs(config, steps_per_epoch: int):
+  """config.structxlip.steps_per_epoch = -1 (the training split's) as steps."""
+  if int(config.structxlip.steps_per_epoch) != -1:
+    return config
+  config = copy.deepcopy(config)
+  with config.unlocked():
+    config.structxlip.steps_per_epoch = steps_per_epoch
+  return config
 
 
 def logit_scale_max(config) -> float:
