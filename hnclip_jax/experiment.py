@@ -11,7 +11,6 @@ import os
 import ml_collections
 
 import jax
-import numpy as np
 
 from hnclip_jax import frameworks
 from hnclip_jax.checkpoint import IncompatibleCheckpoint
@@ -120,7 +119,7 @@ def resolve_model(config, wd: Workdir, *, training: bool):
       raise FileNotFoundError(f"config.init_from={config.init_from} has no tokenizer files next to the weights "
                               "(vocab.json + merges.txt, tokenizer.json or bpe_simple_vocab_16e6.txt.gz)")
     tok = pre.tokenizer
-    params = with_aggregators(pre.params, cfg, config.seed, config.init_from)
+    params = start_params(pre.params, cfg, config, config.init_from)
     if cfg.adapter != "none":
       params = adapters.add_adapters(params, cfg, config.seed)
   else:
@@ -197,25 +196,15 @@ def resolve_epoch_settings(config, num_train: int):
   return config if resolve is None else resolve(config, max(num_train // config.batch_size, 1))
 
 
-def with_aggregators(params: dict, cfg: CLIPConfig, seed: int, source: str) -> dict:
-  """Weights for `cfg` from weights that may lack FineLIP's aggregators (pre-trained CLIP: fresh ones are added) or
-  have them when `cfg` does not (a FineLIP workdir as a Long-CLIP start: they are left out, the towers kept)."""
-  from hnclip_jax.models.clip import AGGREGATORS, init_aggregators
-  if not cfg.aggregate_tokens:
-    return {k: v for k, v in params.items() if k not in AGGREGATORS}
-  params = dict(params)
-  fresh = init_aggregators(cfg, seed)
-  for name, tree in fresh.items():
-    if name not in params:
-      params[name] = tree
-      continue
-    have = jax.tree.map(np.shape, params[name])
-    want = jax.tree.map(np.shape, tree)
-    if have != want:
-      raise ValueError(f"config.init_from={source} has FineLIP aggregators of other shapes ({name}: {have} vs "
-                       f"{want} for config.finelip.tokens={cfg.aggregate_tokens}, hidden_ratio="
-                       f"{cfg.aggregate_hidden_ratio}); use its settings, or set them to match")
-  return params
+def start_params(params: dict, cfg: CLIPConfig, config, source: str) -> dict:
+  """Pretrained weights as this run's start: the top-level modules another framework owns (its `PARAMS`, e.g. a
+  FineLIP workdir's aggregators as a Long-CLIP start) are left out, the towers kept; the chosen framework then
+  adds or checks its own (its `start_params(params, cfg, seed, source)`)."""
+  own = set(getattr(frameworks.resolve(frameworks.check_name(config)), "PARAMS", ()) or ())
+  others = {p for _, mod in frameworks.blocks() for p in getattr(mod, "PARAMS", ())} - own
+  params = {k: v for k, v in params.items() if k not in others}
+  add = frameworks.hook(config, "start_params")
+  return params if add is None else add(params, cfg, config.seed, source)
 
 
 ADAPTER_KEYS = {"adapter": "method", "adapter_rank": "rank", "adapter_alpha": "alpha", "adapter_targets": "targets"}

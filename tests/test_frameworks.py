@@ -232,14 +232,18 @@ def test_models_without_the_framework_are_unchanged():
 def test_weights_without_aggregators_get_fresh_ones_and_a_longclip_start_drops_them():
   _, with_agg = init_params(TINY, 0)
   base = {k: v for k, v in with_agg.items() if k not in AGGREGATORS}
-  filled = experiment.with_aggregators(base, TINY, 0, "w")
+  finelip, longclip = config_lib.base_config(), config_lib.base_config()
+  finelip.framework = "finelip"
+  filled = experiment.start_params(base, TINY, finelip, "w")
   assert jax.tree.structure(filled) == jax.tree.structure(with_agg)
   np.testing.assert_array_equal(filled["image_aggregator"]["fc1"]["kernel"],
                                 init_aggregators(TINY, 0)["image_aggregator"]["fc1"]["kernel"])
+  kept = experiment.start_params(with_agg, TINY, finelip, "w")  # a FineLIP start keeps its trained aggregators
+  assert kept["text_aggregator"] is with_agg["text_aggregator"]
   plain = CLIPConfig(**{**TINY.__dict__, "aggregate_tokens": 0})
-  assert set(experiment.with_aggregators(with_agg, plain, 0, "w")) == set(base)
+  assert set(experiment.start_params(with_agg, plain, longclip, "w")) == set(base)
   with pytest.raises(ValueError, match="aggregators of other shapes.*config.finelip.tokens=5"):
-    experiment.with_aggregators(with_agg, CLIPConfig(**{**TINY.__dict__, "aggregate_tokens": 5}), 0, "/w")
+    experiment.start_params(with_agg, CLIPConfig(**{**TINY.__dict__, "aggregate_tokens": 5}), finelip, "/w")
 
 
 def test_aggregators_train_with_adapters():

@@ -16,7 +16,10 @@ a module outside this package). All of them are optional:
 - `logit_scale_max(config)`: a clamp of the learned logit scale;
 - `resolve_epochs(config, steps_per_epoch)`: its settings given in epochs (-1 = one) as steps, once the training
   split's size is known;
-- `trained_with_adapters(model_cfg)`: regexes of parameters that train under LoRA / DoRA though not adapters.
+- `trained_with_adapters(model_cfg)`: regexes of parameters that train under LoRA / DoRA though not adapters;
+- `PARAMS` (the model's top-level modules it adds) and `start_params(params, model_cfg, seed, source)`: pretrained
+  weights (config.init_from) given its modules — fresh ones added, or a start's own checked; another framework's
+  `PARAMS` are left out of a start (experiment.start_params).
 
 docs/frameworks.md ("Write your own framework") walks through one. `blocks`, `model_fields`, `objective_for`, `hook`
 and `settings` are what the core asks of this package; nothing outside it names a framework.

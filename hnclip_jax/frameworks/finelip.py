@@ -48,6 +48,31 @@ def model_fields(config) -> dict:
   return {"aggregate_tokens": int(f.tokens), "aggregate_hidden_ratio": float(f.hidden_ratio)}
 
 
+# The model's top-level modules this framework adds (models/clip.py TokenAggregation, one per tower).
+PARAMS = ("image_aggregator", "text_aggregator")
+
+
+def start_params(params: dict, cfg, seed: int, source: str) -> dict:
+  """Pretrained weights with the aggregators `cfg` has: fresh ones where the weights lack them (pre-trained CLIP),
+  a FineLIP start's own where their shapes match."""
+  import jax
+  import numpy as np
+  from hnclip_jax.models.clip import init_aggregators
+  if not cfg.aggregate_tokens:
+    return {k: v for k, v in params.items() if k not in PARAMS}
+  params = dict(params)
+  for name, tree in init_aggregators(cfg, seed).items():
+    if name not in params:
+      params[name] = tree
+      continue
+    have, want = jax.tree.map(np.shape, params[name]), jax.tree.map(np.shape, tree)
+    if have != want:
+      raise ValueError(f"config.init_from={source} has FineLIP aggregators of other shapes ({name}: {have} vs "
+                       f"{want} for config.finelip.tokens={cfg.aggregate_tokens}, hidden_ratio="
+                       f"{cfg.aggregate_hidden_ratio}); use its settings, or set them to match")
+  return params
+
+
 def trained_with_adapters(model_cfg) -> tuple:
   """Parameters (path regexes) that train under LoRA / DoRA although they are not adapters: the aggregators, new
   and randomly initialised."""
