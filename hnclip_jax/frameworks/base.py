@@ -9,6 +9,7 @@ functions of a block of rows against the whole batch), so one device and the mes
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable
 
@@ -76,3 +77,15 @@ class Term:
 
   def __call__(self, out: dict, ctx: Context, sched):
     raise NotImplementedError
+
+
+def one_epoch_as_steps(config, key: str, steps_per_epoch: int):
+  """`config` with the setting `key` ("block.name") replaced by `steps_per_epoch` where it is -1 (one epoch of the
+  training split); the config itself when it is not (a framework's `resolve_epochs`)."""
+  block, name = key.split(".")
+  if int(config[block][name]) != -1:
+    return config
+  config = copy.deepcopy(config)
+  with config.unlocked():
+    config[block][name] = steps_per_epoch
+  return config

@@ -5,13 +5,12 @@ aggregators, `CLIPConfig.aggregate_tokens`) is still in hnclip_jax/models/clip.p
 method."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import jax.numpy as jnp
 
 from hnclip_jax import losses
-from hnclip_jax.frameworks.base import Term
+from hnclip_jax.frameworks.base import Term, one_epoch_as_steps
 
 
 TITLE = "FineLIP"
@@ -81,12 +80,7 @@ def trained_with_adapters(model_cfg) -> tuple:
 
 def resolve_epochs(config, steps_per_epoch: int):
   """config.finelip.ramp_steps = -1 (one epoch) as steps."""
-  if int(config.finelip.ramp_steps) != -1:
-    return config
-  config = copy.deepcopy(config)
-  with config.unlocked():
-    config.finelip.ramp_steps = steps_per_epoch
-  return config
+  return one_epoch_as_steps(config, "finelip.ramp_steps", steps_per_epoch)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,14 +9,13 @@ structure caption, and `pool_chunks`), its loss term and its logit-scale clamp; 
 method."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from hnclip_jax import losses
-from hnclip_jax.frameworks.base import Term
+from hnclip_jax.frameworks.base import Term, one_epoch_as_steps
 from hnclip_jax.frameworks.segments import check_segments
 from hnclip_jax.models.clip import dropout_key, l2_normalize
 
@@ -72,12 +71,7 @@ STRUCTURE_KEYS = ("sx_edge", "sx_crop_edges", "sx_crop_valid", "sx_tokens", "sx_
 
 def resolve_epochs(config, steps_per_epoch: int):
   """config.structxlip.steps_per_epoch = -1 (the training split's) as steps."""
-  if int(config.structxlip.steps_per_epoch) != -1:
-    return config
-  config = copy.deepcopy(config)
-  with config.unlocked():
-    config.structxlip.steps_per_epoch = steps_per_epoch
-  return config
+  return one_epoch_as_steps(config, "structxlip.steps_per_epoch", steps_per_epoch)
 
 
 def logit_scale_max(config) -> float:
