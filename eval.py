@@ -30,10 +30,10 @@ config_flags.DEFINE_config_file("config", None, "Config file the run was trained
 flags.DEFINE_string("workdir", None, "The training workdir (checkpoints/ and tokenizer/).")
 flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest).")
 flags.DEFINE_string("split", None, "Split to evaluate (default: config.data.eval_split).")
-flags.DEFINE_enum("score", "cosine", ["cosine", "finelip"],
-                  "How captions and images are ranked: 'cosine' of the global embeddings (HN-CLIP, every framework), "
-                  "or 'finelip': (1 - w)·cosine + w·late interaction of FineLIP's aggregated tokens, "
-                  "w = config.finelip.score_weight (a FineLIP-trained workdir only).")
+flags.DEFINE_string("score", "cosine",
+                    "How captions and images are ranked: 'cosine' of the global embeddings (HN-CLIP, every framework), "
+                    "or a score the workdir's framework defines for the model parts it adds (docs/frameworks.md; "
+                    "docs/evaluation.md lists the built-in ones).")
 flags.DEFINE_string("benchmarks", None,
                     "Evaluate on benchmarks listed in config.eval.benchmarks: 'all' or NAME,NAME,... One process, "
                     "encoders compiled once; writes Table 1 (WORKDIR/eval_table.md and .json). Default: the run's "
@@ -116,9 +116,8 @@ def main(argv):
                                    for b in benchmarks))
   else:
     log(f"{data_note}; split '{benchmarks[0].split}'")
-  if FLAGS.score == "finelip":
-    w = float(config.finelip.score_weight)
-    log(f"score: {1 - w:g}·cosine + {w:g}·late interaction of the aggregated tokens (config.finelip.score_weight)")
+  if ev.scorer is not None:
+    log(f"score: {ev.scorer.describe(config)}")
   if FLAGS.watch:
     if FLAGS.benchmarks:  # the metric must exist before the first (long) evaluation
       bench_lib.metric(bench_lib.table([_placeholder(b) for b in benchmarks]), config.eval.best_metric)

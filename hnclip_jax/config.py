@@ -16,8 +16,8 @@ RUNTIME_FIELDS = ("dtype", "remat", "attention")
 # CLIPConfig fields set from config.finetune (not config.model); the dropout rate is a run setting, not architecture.
 ADAPTER_FIELDS = ("adapter", "adapter_rank", "adapter_alpha", "adapter_targets", "adapter_dropout",
                   "adapter_detach_norm")
-# CLIPConfig fields set from config.framework / config.finelip (FineLIP's token aggregators).
-FRAMEWORK_FIELDS = ("aggregate_tokens", "aggregate_hidden_ratio")
+# CLIPConfig fields set from config.framework and its block (a framework's own modules: hnclip_jax/frameworks).
+FRAMEWORK_FIELDS = ("parts", "part_settings")
 # Not in model.json, not compared on resume: how adapters train, not what they are.
 MODEL_RUNTIME_FIELDS = RUNTIME_FIELDS + ("adapter_dropout", "adapter_detach_norm")
 
@@ -101,14 +101,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.finetune = ml_collections.ConfigDict({"method": "full", "rank": 16, "alpha": 16.0, "dropout": 0.0,
                                           "targets": (r"attn/(q|k|v|out)$", r"fc1$", r"fc2$"), "freeze": (),
                                           "dora_detach_norm": False})
-  # framework: which fine-tuning framework's objective (docs/frameworks.md). "longclip": the global term L_HN (+ the
-  # token term if config.loss.token_weight > 0) on the whole model, as Long-CLIP fine-tunes. "finelip": FineLIP's
-  # token aggregation modules and late-interaction hinge (config.finelip), with L_HN as its global term. "goal":
-  # GOAL's segment terms (config.goal; needs segments in the data). "structxlip": StructXLIP's edge-map terms
-  # (config.structxlip; segments for its local term).
+  # framework: which fine-tuning framework's objective (docs/frameworks.md): a name in hnclip_jax.frameworks.REGISTRY
+  # or "package.module:Name" (your own). "longclip": the global term L_HN (+ the token term if
+  # config.loss.token_weight > 0) on the whole model, as Long-CLIP fine-tunes; the others add their terms (and
+  # model parts, inputs) to it.
   c.framework = "longclip"
-  # Each framework's settings: config.<name> (config.finelip, config.goal, config.structxlip), defaults and their
-  # meaning in the framework's module (hnclip_jax/frameworks/<name>.py, CONFIG).
+  # Each registered framework's settings: config.<name>, defaults and their meaning in the framework's module
+  # (hnclip_jax/frameworks/<name>.py, CONFIG).
   for name, mod in frameworks.blocks():
     c[name] = ml_collections.ConfigDict(dict(mod.CONFIG))
   c.model = model_config("tiny", vocab_size=0, eot_token_id=-1)
@@ -159,7 +158,7 @@ FINETUNE_METHODS = {"full": "none", "lora": "lora", "dora": "dora"}
 
 def framework_fields(config) -> dict:
   """config.framework and the frameworks' blocks checked -> the model's architecture fields the choice implies
-  (FineLIP's aggregators; hnclip_jax.frameworks.model_fields)."""
+  (its own modules; hnclip_jax.frameworks.model_fields)."""
   return frameworks.model_fields(config)
 
 
@@ -183,10 +182,9 @@ def check_benchmarks(config) -> None:
 
 
 ADAPTER_SETTINGS = ("rank", "alpha", "dropout", "targets", "dora_detach_norm")  # only LoRA / DoRA read these
-# config.loss keys only the token term reads (token_weight > 0); FineLIP's aggregators read the first two as well.
+# config.loss keys only the token term reads (token_weight > 0), and a framework that names them (LOSS_SETTINGS).
 TOKEN_SETTINGS = ("token_layer", "token_image_cls", "token_logit_scale", "token_margin", "token_schedule")
 TOKEN_SCHEDULES = ("gather", "ring")
-TOKEN_SETTINGS_FINELIP = ("token_layer", "token_image_cls")
 
 
 def _normalised(v):
@@ -194,17 +192,15 @@ def _normalised(v):
 
 
 def check_token_settings(config) -> None:
-  """The token term's settings with the term off (config.loss.token_weight = 0) would do nothing: refused by name
-  (FineLIP's aggregators take their tokens from config.loss.token_layer / token_image_cls, so those two apply
-  there)."""
+  """The token term's settings with the term off (config.loss.token_weight = 0) would do nothing: refused by name,
+  except those the chosen framework reads itself (its LOSS_SETTINGS, e.g. the layer its token modules read)."""
   loss, defaults = config.loss, base_config().loss
   if loss.token_schedule not in TOKEN_SCHEDULES:
     raise ValueError(f"config.loss.token_schedule={loss.token_schedule!r}; choose one of {list(TOKEN_SCHEDULES)}")
   if float(loss.token_weight) > 0:
     return
-  finelip = config.get("framework") == "finelip"
-  unused = [f"config.loss.{k}={loss[k]!r}" for k in TOKEN_SETTINGS
-            if loss[k] != defaults[k] and not (finelip and k in TOKEN_SETTINGS_FINELIP)]
+  read = frameworks.loss_settings(config)
+  unused = [f"config.loss.{k}={loss[k]!r}" for k in TOKEN_SETTINGS if loss[k] != defaults[k] and k not in read]
   if unused:
     raise ValueError(f"{', '.join(unused)} set, but config.loss.token_weight=0 turns the token term off, so "
                      "they would do nothing. Set config.loss.token_weight > 0 (the paper: 1.0), or drop them")
@@ -268,7 +264,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   dataclasses.replace(PRESETS["tiny"], token_projection=config.model.token_projection,
                       **{k: config[k] for k in RUNTIME_FIELDS}).validate()
   adapter_fields(config)  # config.finetune.* checked here too
-  framework_fields(config)  # config.framework and config.finelip.* too
+  framework_fields(config)  # config.framework and the frameworks' blocks too
   check_token_settings(config)
   if config.on_nonfinite not in ("error", "skip"):
     raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; choose 'error' or 'skip'")

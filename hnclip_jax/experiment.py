@@ -1,5 +1,5 @@
 """What train.py, eval.py and the tools resolve before anything compiles: the data (and what the workdir recorded of
-it), the model config and its start (pretrained weights, adapters, FineLIP's aggregators), the tokenizer, epoch
+it), the model config and its start (pretrained weights, adapters, a framework's modules), the tokenizer, epoch
 settings, and checkpoint-compatibility errors. Process set-up is in `hnclip_jax.cli`, eval embedding in
 `hnclip_jax.evaluation.embedding`."""
 from __future__ import annotations
@@ -190,15 +190,14 @@ def model_config(config, tokenizer) -> CLIPConfig:
 
 
 def resolve_epoch_settings(config, num_train: int):
-  """A framework's settings given in epochs of the training split (-1 = one epoch) as steps (its `resolve_epochs`:
-  config.finelip.ramp_steps, config.structxlip.steps_per_epoch)."""
+  """A framework's settings given in epochs of the training split (-1 = one epoch) as steps (its `resolve_epochs`)."""
   resolve = frameworks.hook(config, "resolve_epochs")
   return config if resolve is None else resolve(config, max(num_train // config.batch_size, 1))
 
 
 def start_params(params: dict, cfg: CLIPConfig, config, source: str) -> dict:
   """Pretrained weights as this run's start: the top-level modules another framework owns (its `PARAMS`, e.g. a
-  FineLIP workdir's aggregators as a Long-CLIP start) are left out, the towers kept; the chosen framework then
+  token-aggregating framework's modules in a start for another framework) are left out, the towers kept; the chosen framework then
   adds or checks its own (its `start_params(params, cfg, seed, source)`)."""
   own = set(getattr(frameworks.resolve(frameworks.check_name(config)), "PARAMS", ()) or ())
   others = {p for _, mod in frameworks.blocks() for p in getattr(mod, "PARAMS", ())} - own

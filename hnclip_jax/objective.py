@@ -8,8 +8,8 @@ comparison all call it on the model's outputs dict (`CLIP.__call__`: "img", "txt
     L = w_g·L_HN(γ) + λ·L_tok + Σ_terms (the framework's terms)      (paper Eq. 2 and 3; λ = config.loss.token_weight)
 
 L_HN is HN-CLIP's global term, L_tok the FILIP token term. A fine-tuning framework adds its terms through
-`hnclip_jax.frameworks` (each a `frameworks.Term`: FineLIP's hinge, GOAL's segment terms, StructXLIP's structure
-terms; docs/frameworks.md); w_g = 1 except where a framework sets it (FineLIP's config.finelip.global_weight).
+`hnclip_jax.frameworks` (each a `frameworks.Term`; docs/frameworks.md); w_g = 1 except where a framework sets it (its
+`objective` hook).
 
 On a mesh every device all-gathers what its terms need, builds only its own rows of each B×B score matrix against
 the whole batch (the math is in `hnclip_jax.losses`), and the per-device sums are reduced with psum; the gather's
@@ -49,8 +49,8 @@ class Objective:
   token_logit_scale: float = 0.0  # 0: the model's learned s; > 0: this fixed multiplier for the token logits
   token_margin: bool = False  # also add γ·Ḡ to the token logits
   token_schedule: str = "gather"  # "gather": all caption tokens on every device | "ring": tiles passed around
-  global_weight: float = 1.0  # w_g: weight of L_HN (config.finelip.global_weight in FineLIP)
-  # The framework's terms (hnclip_jax/frameworks: a FineLIPTerm, GOALTerm, StructXLIPTerm, ...), added in order.
+  global_weight: float = 1.0  # w_g: weight of L_HN (a framework may set it)
+  # The framework's terms (hnclip_jax/frameworks: each a frameworks.Term), added in order.
   terms: tuple = ()
   batch_axes: tuple = sharding.BATCH_AXES
 
@@ -81,10 +81,6 @@ class Objective:
   @property
   def needs_tokens(self) -> bool:
     return self.token_weight > 0
-
-  @property
-  def needs_aggregates(self) -> bool:
-    return bool(self.model_kwargs.get("aggregate"))
 
   def term(self, cls):
     """This objective's term of type `cls` (None if it has none)."""
@@ -119,7 +115,7 @@ class Objective:
     out, hidden = model.forward(inputs["image"], inputs["tokens"], dropout_rng=rng, **self.model_inputs(inputs))
     for t in self.terms:  # outputs a term makes itself (frameworks.Term.outputs)
       out.update(t.outputs(model, out, inputs, rng, hidden))
-    if not self.needs_tokens:  # the aggregates were made from them; the loss does not read them
+    if not self.needs_tokens:  # a term's outputs were made from them; the loss does not read them
       out = {k: v for k, v in out.items() if k not in ("img_tokens", "txt_tokens", "txt_mask")}
     return out
 

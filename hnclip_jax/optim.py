@@ -95,12 +95,12 @@ def frozen_predicate(opt_cfg, freeze):
 
 def freeze_patterns(config, model_cfg) -> tuple:
   """config.finetune.freeze, plus every non-adapter parameter for LoRA / DoRA except the logit scale (trained or
-  not by config.optimizer.train_logit_scale, as with full fine-tuning) and a framework's new modules (FineLIP's
-  aggregators: they start from scratch and train with the adapters)."""
+  not by config.optimizer.train_logit_scale, as with full fine-tuning) and a framework's new modules (its
+  `trained_with_adapters`: they start from scratch and train with the adapters)."""
   freeze = [config.finetune.freeze] if isinstance(config.finetune.freeze, str) else list(config.finetune.freeze)
   if model_cfg.adapter != "none":
     kept = [r".*(?:/lora/lora_[ab]|/magnitude)$", f"{SCALE_PARAM}$"]  # adapter leaves (adapters.ADAPTER_LEAF)
-    own = frameworks.hook(config, "trained_with_adapters")  # a framework's new modules (FineLIP's aggregators)
+    own = frameworks.hook(config, "trained_with_adapters")  # a framework's new modules
     if own is not None:
       kept.extend(own(model_cfg))
     freeze.append(f"^(?!(?:{'|'.join(kept)}))")
@@ -156,12 +156,12 @@ def trained_params(opt_state) -> list:
 
 def clamp_logit_scale(params: dict, upper: float = LOGIT_SCALE_PARAM_MAX) -> dict:
   """The logit-scale parameter clipped to [0, upper] (OpenAI / open_clip: ln 100, after the update, not in the
-  forward; StructXLIP: 3.5)."""
+  forward; a framework may set its own)."""
   return {**params, SCALE_PARAM: jnp.clip(params[SCALE_PARAM], 0.0, upper)}
 
 
 def logit_scale_max(config) -> float:
   """The logit-scale parameter's upper clamp: ln 100 (OpenAI, open_clip), or the chosen framework's
-  (`logit_scale_max(config)` in its module: StructXLIP's config.structxlip.logit_scale_max)."""
+  (`logit_scale_max(config)` in its module)."""
   own = frameworks.hook(config, "logit_scale_max")
   return LOGIT_SCALE_PARAM_MAX if own is None else float(own(config))

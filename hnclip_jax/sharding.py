@@ -18,11 +18,15 @@ MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the global batch is split over these
 DEFAULT_RULES = "embed=fsdp,heads=tensor,mlp=tensor,vocab=tensor"
 
+# The towers' top-level modules (models/clip.py CLIP); any other top-level module is a framework's part.
+CORE_MODULES = ("patch_embed", "ln_pre", "vision", "ln_post", "token_embedding", "text", "ln_final")
+
 # (regex on the "/"-joined parameter path, logical axis per dimension); first match wins.
 # "norm" and None are never sharded (small vectors are not worth a collective).
 LOGICAL_AXES = (
-    # FineLIP's token aggregators (models/clip.py TokenAggregation): ~0.1M parameters at ViT-L, replicated.
-    (r"^(image|text)_aggregator/", "replicated"),
+    # A framework's own modules (CLIPConfig.parts: top-level names the towers do not use, e.g. token aggregators of
+    # ~0.1M parameters at ViT-L): replicated.
+    (r"^(?!(?:" + "|".join(CORE_MODULES) + r")/)[^/]+/", "replicated"),
     # LoRA / DoRA adapters (models/adapters.py): A [in, r] and B [r, out] split like the kernel they adapt.
     (r"attn/(q|k|v)/lora/lora_a$", ("embed", None)),
     (r"attn/(q|k|v)/lora/lora_b$", (None, "heads")),

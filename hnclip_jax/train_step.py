@@ -44,7 +44,7 @@ def check_accumulation(config, mesh) -> None:
 
 def make_forward(graphdef, objective: Objective, frozen=None, mesh=None):
   """(params, inputs, rng=None) -> the model's outputs dict, with what `objective` needs; inputs: the batch
-  entries `objective.input_keys` (image [b,H,W,3], tokens [b,L], GOAL's segment inputs), sharded over the batch;
+  entries `objective.input_keys` (image [b,H,W,3], tokens [b,L], a framework's inputs), sharded over the batch;
   rng: the adapters' dropout key (None: no dropout). frozen: path -> bool; those parameters pass through
   stop_gradient inside the function that is differentiated, so JAX emits no weight gradient for them (their
   gradient is a zero constant) — LoRA's and a frozen tower's compute saving. mesh: traced under it, so the model's
@@ -128,7 +128,7 @@ def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, neg
                  frozen=None):
   """(params, batch, rng=None, step=None) -> ((loss, terms), grads). batch: image f32 [B,H,W,3], tokens int32
   [B,L], sharded over the batch axes; terms: the objective's per-term losses; step: the train step (for terms with
-  a schedule, e.g. FineLIP's ramp; None: their full weight).
+  a schedule, e.g. a ramp; None: their full weight).
 
   accum_steps > 1 splits the batch into micro-batches inside the step:
   - negatives="micro_batch": each micro-batch is its own contrastive batch (its own Ḡ); losses/grads averaged.

@@ -27,10 +27,11 @@ import time
 
 import jax
 
-from hnclip_jax import storage
+from hnclip_jax import frameworks, storage
 from hnclip_jax.config import MODEL_RUNTIME_FIELDS, flatten
 from hnclip_jax.data.saved_tokenizer import load_tokenizer
 from hnclip_jax.models import CLIPConfig
+from hnclip_jax.models.clip import normalise_fields
 
 MODEL_JSON = "model.json"
 TOKENIZER = "tokenizer"
@@ -59,7 +60,7 @@ def read_model(directory: str) -> CLIPConfig | None:
   if not os.path.exists(path):
     return None
   with open(path) as f:
-    return CLIPConfig.from_dict(json.load(f)).validate()
+    return CLIPConfig.from_dict(frameworks.upgrade_model_dict(json.load(f))).validate()
 
 
 def write_model(directory: str, cfg: CLIPConfig) -> None:
@@ -94,7 +95,8 @@ def check_model_compatible(saved: dict | None, model_cfg: CLIPConfig, where: str
     raise ValueError(f"{where} has no model config in its metadata; it was not written by hnclip_jax")
   mine = dataclasses.asdict(model_cfg)
   # A field the checkpoint predates has its default (e.g. token_projection, added after the first workdirs).
-  saved = {**{f.name: f.default for f in dataclasses.fields(CLIPConfig)}, **saved}
+  saved = {**{f.name: f.default for f in dataclasses.fields(CLIPConfig)},
+           **normalise_fields(frameworks.upgrade_model_dict(saved))}
   diffs = [f"model.{k}: checkpoint={saved.get(k)!r}, config={v!r}" for k, v in mine.items()
            if k not in MODEL_RUNTIME_FIELDS and saved.get(k) != v]
   if diffs:

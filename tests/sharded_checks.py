@@ -182,7 +182,9 @@ def finelip():
   """FineLIP: L_HN + the late-interaction hinge on aggregated tokens (with γ·Ḡ on its negatives too): every layout,
   accumulation over the global batch and chunking equal one device."""
   import dataclasses
-  fmodel = init_params(dataclasses.replace(CFG, aggregate_tokens=3), 0)
+  from hnclip_jax.frameworks import finelip as finelip_fw
+  fmodel = init_params(dataclasses.replace(CFG, parts=finelip_fw.PARTS,
+                                           part_settings=(("hidden_ratio", 0.2), ("tokens", 3))), 0)
   fine = dict(terms=(FineLIPTerm(weight=1.0, hn_margin=True),), model=fmodel)
   ref = grads_on((1, 1, 1), **fine)
   out["finelip_layouts"] = {}

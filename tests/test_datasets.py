@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from hnclip_jax.data import builders, pipeline
+from hnclip_jax.frameworks.segments import segments_of
 from conftest import run_py
 
 
@@ -147,7 +148,7 @@ def test_dci_masks_are_segments(tmp_path):
                  "caption": "", "mask_quality": 2}}
   write(str(ann), json.dumps({"image": "sa_1001.jpg", "extra_caption": "Dense caption number 1.", "mask_data": masks}))
   src = builders.data_source(cfg("dci", m, tmp_path / "d"), "train")
-  by_id = {src[i]["image_id"].decode(): pipeline.segments_of(src[i]) for i in range(len(src))}
+  by_id = {src[i]["image_id"].decode(): segments_of(src[i]) for i in range(len(src))}
   got = by_id["sa_1001.jpg"]
   assert [(list(map(float, s["box"])), s["sentence"], s["score"]) for s in got] == [
       ([2.0, 3.0, 12.0, 9.0], "A cup: white, on a table", 1.0), ([0.0, 0.0, 5.0, 5.0], "Shadow", 0.5)]

@@ -98,7 +98,7 @@ def test_replicate_quick_writes_its_outputs(replication):
   # --frameworks finelip: FineLIP runs from the same start, their rows in results.json and the table.
   assert set(res["frameworks"]) == {"finelip_gamma0.0", "finelip_gamma0.5"}
   fl = json.load(open(replication / "ft_fw_finelip_gamma0.5_seed0" / "model.json"))
-  assert fl["aggregate_tokens"] == 39 and "| 0.5, framework finelip |" in open(replication / "table.md").read()
+  assert dict(fl["part_settings"])["tokens"] == 39 and "| 0.5, framework finelip |" in open(replication / "table.md").read()
   for name in ("table.md", "recall_vs_gamma.png", "saturation.png"):
     assert os.path.getsize(replication / name) > 0
   rows = [json.loads(line) for line in open(replication / "ft_gamma0.5_seed0" / "metrics.jsonl")]

@@ -14,10 +14,11 @@ from scipy.special import erf
 
 from conftest import run_py
 from hnclip_jax import config as config_lib, experiment, losses, sharding
-from hnclip_jax.evaluation.retrieval import finelip_scores, recall_at_k, recall_from_scores
+from hnclip_jax.evaluation.retrieval import recall_at_k, recall_from_scores
 from hnclip_jax.models import CLIPConfig, bind, init_params
-from hnclip_jax.models.clip import AGGREGATORS, TokenAggregation, init_aggregators
-from hnclip_jax.frameworks.finelip import FineLIPTerm
+from hnclip_jax.frameworks import finelip as finelip_fw
+from hnclip_jax.frameworks.finelip import PARAMS as AGGREGATORS, FineLIPTerm, TokenAggregation, finelip_scores, \
+    init_aggregators
 from hnclip_jax.objective import Objective
 from test_losses import np_reference
 from test_objective import _numeric_grad
@@ -182,7 +183,16 @@ def test_gamma_zero_finelip_is_its_own_infonce_plus_hinge():
 
 TINY = CLIPConfig(embed_dim=8, image_size=16, patch_size=4, vision_width=16, vision_layers=1, vision_heads=2,
                   vision_mlp_dim=32, text_context=8, vocab_size=64, text_width=16, text_layers=1, text_heads=2,
-                  text_mlp_dim=32, eot_token_id=3, aggregate_tokens=3)
+                  text_mlp_dim=32, eot_token_id=3, parts=finelip_fw.PARTS,
+                  part_settings=(("hidden_ratio", 0.2), ("tokens", 3)))
+
+
+def _with(cfg, tokens):
+  """cfg with `tokens` aggregated tokens per tower (0: no aggregators)."""
+  if not tokens:
+    return CLIPConfig(**{**cfg.__dict__, "parts": "", "part_settings": ()})
+  return CLIPConfig(**{**cfg.__dict__, "parts": finelip_fw.PARTS, "part_settings": (("hidden_ratio", 0.2),
+                                                                                      ("tokens", tokens))})
 
 
 def _batch(b=5, seed=0):
@@ -199,10 +209,12 @@ def test_model_aggregates_cls_plus_k_patches_and_k_words_plus_end_token():
   graphdef, params = init_params(TINY, 0)
   images, tokens, lengths = _batch()
 
+  obj = Objective().replace(terms=(FineLIPTerm(),))
+
   @jax.jit  # (one compile instead of op-by-op dispatch)
   def run(params, images, tokens):
-    model = bind(graphdef, params)
-    return (model(images, tokens, token_layer=-1, aggregate=True), model.image_tower(images, -1)[1],
+    model = bind(graphdef, params)  # the objective's forward: the towers, then the term's own outputs
+    return (obj.forward(model, {"image": images, "tokens": tokens}), model.image_tower(images, -1)[1],
             model.text_tower(tokens, -1)[1])
 
   out, img_tok, txt_tok = run(params, images, tokens)
@@ -221,7 +233,7 @@ def test_model_aggregates_cls_plus_k_patches_and_k_words_plus_end_token():
 
 
 def test_models_without_the_framework_are_unchanged():
-  base = CLIPConfig(**{**TINY.__dict__, "aggregate_tokens": 0})
+  base = _with(TINY, 0)
   _, p0 = init_params(base, 0)
   _, p1 = init_params(TINY, 0)
   assert not set(p0) & set(AGGREGATORS) and set(AGGREGATORS) <= set(p1)
@@ -240,10 +252,10 @@ def test_weights_without_aggregators_get_fresh_ones_and_a_longclip_start_drops_t
                                 init_aggregators(TINY, 0)["image_aggregator"]["fc1"]["kernel"])
   kept = experiment.start_params(with_agg, TINY, finelip, "w")  # a FineLIP start keeps its trained aggregators
   assert kept["text_aggregator"] is with_agg["text_aggregator"]
-  plain = CLIPConfig(**{**TINY.__dict__, "aggregate_tokens": 0})
+  plain = _with(TINY, 0)
   assert set(experiment.start_params(with_agg, plain, longclip, "w")) == set(base)
   with pytest.raises(ValueError, match="aggregators of other shapes.*config.finelip.tokens=5"):
-    experiment.start_params(with_agg, CLIPConfig(**{**TINY.__dict__, "aggregate_tokens": 5}), finelip, "/w")
+    experiment.start_params(with_agg, _with(TINY, 5), finelip, "/w")
 
 
 def test_aggregators_train_with_adapters():
@@ -256,7 +268,7 @@ def test_aggregators_train_with_adapters():
   assert not frozen("image_aggregator/fc1/kernel") and not frozen("text_aggregator/scale")
   assert not frozen("text/blocks/0/fc1/lora/lora_a") and frozen("text/blocks/0/fc1/kernel") and frozen("ln_post/scale")
   assert not frozen("logit_scale")  # it follows config.optimizer.train_logit_scale (default: learned)
-  plain = CLIPConfig(**{**cfg.__dict__, "aggregate_tokens": 0})
+  plain = _with(cfg, 0)
   frozen_plain = optim.frozen_predicate(c.optimizer, optim.freeze_patterns(c, plain))
   assert frozen_plain("image_aggregator/fc1/kernel") and not frozen_plain("text/blocks/0/fc1/lora/lora_a")
   assert frozen_plain("vision/blocks/0/attn/q/kernel") and not frozen_plain("vision/blocks/0/attn/q/magnitude")
@@ -306,7 +318,7 @@ def test_framework_config_is_checked():
   c.finelip.margin = 0.3  # without config.framework="finelip" it would do nothing: refused, named
   with pytest.raises(ValueError, match="config.finelip.margin=0.3 set, but config.framework='longclip'"):
     config_lib.validate(c)
-  # Every framework's block (hnclip_jax/frameworks/<name>.py: CONFIG, NON_NEGATIVE, OFF) is checked the same way.
+  # Every framework's block (hnclip_jax/frameworks/<name>.py: CONFIG, NON_NEGATIVE) is checked the same way.
   for fw, key, value, title in (("finelip", "goal.patch_weight", 2.0, "GOAL"),
                                 ("goal", "structxlip.tau", 0.1, "StructXLIP"), ("structxlip", "finelip.tokens", 8, "FineLIP")):
     c = config_lib.base_config()
@@ -319,7 +331,7 @@ def test_framework_config_is_checked():
   c = config_lib.base_config()
   c.finelip.score_weight = 0.5  # read by eval.py --score=finelip whatever the framework
   config_lib.validate(c)
-  assert config_lib.framework_fields(c) == {"aggregate_tokens": 0}  # a Long-CLIP start drops the aggregators
+  assert config_lib.framework_fields(c) == {"parts": "", "part_settings": ()}  # a Long-CLIP start: no aggregators
   c.framework, c.goal.text_weight = "goal", -1.0
   with pytest.raises(ValueError, match=r"config.goal.text_weight=-1.0 must be >= 0"):
     config_lib.validate(c)
@@ -327,7 +339,8 @@ def test_framework_config_is_checked():
   c = longclip_l.get_config("docci,finelip")
   config_lib.validate(c)
   assert c.framework == "finelip" and c.loss.token_weight == 0 and c.optimizer.lr == 1e-6
-  assert config_lib.framework_fields(c) == {"aggregate_tokens": 39, "aggregate_hidden_ratio": 0.2}
+  assert config_lib.framework_fields(c) == {"parts": "hnclip_jax.frameworks.finelip:model_parts",
+                                            "part_settings": (("hidden_ratio", 0.2), ("tokens", 39))}
   # FineLIP's aggregators read the token term's layer and CLS choice even with the term off; not its temperature.
   c.loss.token_layer, c.loss.token_image_cls = -2, True
   config_lib.validate(c)
@@ -377,7 +390,7 @@ def test_finelip_trains_resumes_bit_identically_and_evaluates(tmp_path, tfds_dir
   for r in rows:  # the logged loss is the loss of step r["step"] - 1, ramp (step - 1) / 8
     assert r["loss"] == pytest.approx(r["loss/hn"] + (r["step"] - 1) / 8 * r["loss/fine"], rel=1e-5)
   with open(os.path.join(workdir, "model.json")) as f:
-    assert json.load(f)["aggregate_tokens"] == 4
+    assert dict(json.load(f)["part_settings"])["tokens"] == 4
   resumed = str(tmp_path / "resumed")
   shutil.copytree(workdir, resumed)
   shutil.rmtree(os.path.join(resumed, "checkpoints", "8"))
@@ -387,7 +400,7 @@ def test_finelip_trains_resumes_bit_identically_and_evaluates(tmp_path, tfds_dir
   a, b = _params(workdir), _params(resumed)
   assert all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
   assert not np.array_equal(a["image_aggregator"]["fc1"]["kernel"], init_aggregators(
-      CLIPConfig(**{**TINY.__dict__, "embed_dim": 32, "aggregate_tokens": 4}), 0)["image_aggregator"]["fc1"]["kernel"])
+      _with(CLIPConfig(**{**TINY.__dict__, "embed_dim": 32}), 4), 0)["image_aggregator"]["fc1"]["kernel"])
   # eval.py: cosine (the framework need not be repeated) and FineLIP's combined score.
   run_py(["eval.py", "--config", CONFIG, "--workdir", workdir, f"--config.data.data_dir={tfds_dir}"])
   with open(os.path.join(workdir, "eval_results.json")) as f:
@@ -408,3 +421,22 @@ def test_finelip_trains_resumes_bit_identically_and_evaluates(tmp_path, tfds_dir
   proc = run_py(["eval.py", "--config", CONFIG, "--workdir", plain, f"--config.data.data_dir={tfds_dir}",
                  "--score=finelip"], check=False)
   assert proc.returncode != 0 and "--score=finelip needs FineLIP's token aggregators" in proc.stderr
+
+
+def test_a_model_description_from_before_parts_loads():
+  """model.json / checkpoint metadata written when FineLIP's aggregators were CLIPConfig fields (aggregate_tokens,
+  aggregate_hidden_ratio) read as today's parts; a plain model's (aggregate_tokens 0) as no parts."""
+  from hnclip_jax import frameworks
+  from hnclip_jax.workdir import check_model_compatible
+  today = json.loads(json.dumps({k: v for k, v in TINY.__dict__.items()}))  # part_settings as JSON lists
+  old = {k: v for k, v in today.items() if k not in ("parts", "part_settings")}
+  fine = {**old, "aggregate_tokens": 3, "aggregate_hidden_ratio": 0.2}
+  assert CLIPConfig.from_dict(frameworks.upgrade_model_dict(fine)) == TINY == CLIPConfig.from_dict(today)
+  plain = {**old, "aggregate_tokens": 0, "aggregate_hidden_ratio": 0.2}
+  assert CLIPConfig.from_dict(frameworks.upgrade_model_dict(plain)) == _with(TINY, 0)
+  check_model_compatible(fine, TINY, "old checkpoint")
+  check_model_compatible(today, TINY, "new checkpoint")
+  with pytest.raises(ValueError, match=r"model.part_settings: checkpoint=\(\('hidden_ratio', 0.2\), \('tokens', 4\)\)"):
+    check_model_compatible({**fine, "aggregate_tokens": 4}, TINY, "old checkpoint")
+  with pytest.raises(ValueError, match="model.parts: checkpoint=''"):
+    check_model_compatible(plain, TINY, "old checkpoint")

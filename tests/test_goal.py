@@ -18,6 +18,7 @@ from hnclip_jax import config as config_lib, sharding
 from hnclip_jax.data import builders, pipeline, synthetic
 from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.models import CLIPConfig, bind, init_params
+from hnclip_jax.frameworks import goal as goal_fw, segments as segments_fw
 from hnclip_jax.frameworks.goal import GOALTerm
 from hnclip_jax.objective import Objective
 from test_losses import np_reference
@@ -244,11 +245,11 @@ def test_box_to_patches_follows_the_image_transform():
       ImageDraw.Draw(mask).rectangle([box[0], box[1], box[2] - 1e-6, box[3] - 1e-6], fill=255)
       px = pipeline.resize_center_crop(mask, 32)[..., 0].astype(np.float64)
       want = (px.reshape(4, 8, 4, 8).max(axis=(1, 3)) > 127).astype(np.float32).reshape(-1)
-      np.testing.assert_array_equal(pipeline.box_to_patches(box, w, h, 32, 8), want, err_msg=str((w, h, box)))
+      np.testing.assert_array_equal(goal_fw.box_to_patches(box, w, h, 32, 8), want, err_msg=str((w, h, box)))
       tested += 1
   assert tested >= 25
   # A box the centre crop cuts away covers no patch.
-  assert pipeline.box_to_patches((0, 0, 10, 50), 100, 50, 32, 8).sum() == 0
+  assert goal_fw.box_to_patches((0, 0, 10, 50), 100, 50, 32, 8).sum() == 0
 
 
 def test_segment_inputs_and_choice():
@@ -264,7 +265,7 @@ def test_segment_inputs_and_choice():
                      "sentence": [b"There is a red square on the left.", b"A blue square is on the right side."],
                      "score": [np.float32(0.9), np.float32(0.4)]}}
   tok = WordTokenizer.fit([cap, "nothing here"], context_length=30)
-  got = pipeline.segment_inputs(ex, cap, tok, 16, 4, seed=0, step=0, index=0)
+  got = goal_fw.segment_inputs(ex, cap, tok, 16, 4, seed=0, step=0, index=0)
   assert got["seg_valid"]
   np.testing.assert_array_equal(got["seg_tokens"], tok(["There is a red square on the left."])[0])
   span = np.flatnonzero(got["seg_span"])
@@ -275,15 +276,15 @@ def test_segment_inputs_and_choice():
   assert np.allclose(crop.reshape(-1, 3).mean(0), [200 / 255, 0, 0], atol=0.03)  # the red box's pixels only
   # Ties: both scores equal -> the choice varies with the step, and is the same on a rerun.
   tie = dict(ex, segments=dict(ex["segments"], score=[np.float32(1), np.float32(1)]))
-  picks = [pipeline.segment_choice(pipeline.segments_of(tie), 0, step, 3) for step in range(20)]
+  picks = [segments_fw.segment_choice(segments_fw.segments_of(tie), 0, step, 3) for step in range(20)]
   assert set(picks) == {0, 1}
-  assert picks == [pipeline.segment_choice(pipeline.segments_of(tie), 0, step, 3) for step in range(20)]
-  other = pipeline.segment_inputs(ex, "nothing here", tok, 16, 4, seed=0, step=0, index=0)
+  assert picks == [segments_fw.segment_choice(segments_fw.segments_of(tie), 0, step, 3) for step in range(20)]
+  other = goal_fw.segment_inputs(ex, "nothing here", tok, 16, 4, seed=0, step=0, index=0)
   assert other["seg_valid"] and other["seg_span"].sum() == 0
-  none = pipeline.segment_inputs(dict(ex, segments={"box": [], "sentence": [], "score": []}), cap, tok, 16, 4,
+  none = goal_fw.segment_inputs(dict(ex, segments={"box": [], "sentence": [], "score": []}), cap, tok, 16, 4,
                                  0, 0, 0)
   assert not none["seg_valid"] and none["seg_patches"].sum() == 0 and none["seg_image"].shape == (16, 16, 3)
-  assert pipeline.locate_sentence("One.  Two   words here.", "two words here.") == (6, 23)
+  assert goal_fw.locate_sentence("One.  Two   words here.", "two words here.") == (6, 23)
 
 
 def _write_png(path, size=(40, 30), seed=0):
@@ -310,11 +311,11 @@ def test_pairs_layout_reads_segments_and_refuses_bad_ones(tmp_path):
     json.dump(rows, f)
   c = _pairs_cfg(m, tmp_path / "d")
   src = builders.data_source(c, "train")
-  by_id = {src[i]["image_id"].decode(): pipeline.segments_of(src[i]) for i in range(len(src))}
+  by_id = {src[i]["image_id"].decode(): segments_fw.segments_of(src[i]) for i in range(len(src))}
   assert [s["sentence"] for s in by_id["i0.png"]] == ["A thing.", "A thing."]
   np.testing.assert_allclose(by_id["i0.png"][1]["box"], [0, 0, 40, 30])
   assert by_id["i1.png"] == [] and by_id["i2.png"][0]["score"] == 1.0  # default score
-  assert builders.count_segments(c, "train") == (2, 3)
+  assert segments_fw.count_segments(c, "train") == (2, 3)
 
   def build(rows, name, skip=False):
     with open(m / "pairs.json", "w") as f:
@@ -337,7 +338,7 @@ def test_pairs_layout_reads_segments_and_refuses_bad_ones(tmp_path):
   assert len(build(missing, "d7", skip=True)) == 1
   no_segments = [{"filename": "i0.png", "caption": "c"}]
   build(no_segments, "d8")  # no segments anywhere: a dataset for the other frameworks
-  assert builders.count_segments(_pairs_cfg(m, tmp_path / "d8"), "train") == (0, 1)
+  assert segments_fw.count_segments(_pairs_cfg(m, tmp_path / "d8"), "train") == (0, 1)
 
 
 # ---- Config and end to end -------------------------------------------------------------------------------------

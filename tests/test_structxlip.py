@@ -11,7 +11,8 @@ from jax.sharding import Mesh
 
 from conftest import check_resume_is_bit_identical, metrics_rows as _metrics, run_py
 from hnclip_jax import config as config_lib, experiment, losses, optim, sharding
-from hnclip_jax.data import pipeline, structure
+from hnclip_jax.data import pipeline
+from hnclip_jax.frameworks import structure, structxlip as structxlip_fw
 from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.models import CLIPConfig, bind, init_params
 from hnclip_jax.frameworks.structxlip import StructXLIPTerm, pool_chunks
@@ -275,15 +276,15 @@ def test_structure_inputs_of_an_example():
   ex = {"image": img, "caption": b"x", "segments": segs}
   cap = "A red box on the left. A gray box on the right."
   tok = WordTokenizer.fit([cap], context_length=20)
-  st = pipeline.StructureSettings(top_k=3, max_chunks=8)
-  got = pipeline.structure_inputs(ex, cap, pipeline.resize_center_crop(img, 16), tok, 16, st, 0, 0, 0)
+  st = structxlip_fw.StructureSettings(top_k=3, max_chunks=8)
+  got = structxlip_fw.structure_inputs(ex, cap, pipeline.resize_center_crop(img, 16), tok, 16, st, 0, 0, 0)
   assert got["sx_crop_valid"].tolist() == [True, True, False]
   want_first = pipeline.normalize(structure.edge_map(
       pipeline.resize_center_crop(img[8:22, 30:45], 16), 100, 200))  # the best-scoring segment comes first
   np.testing.assert_allclose(got["sx_crop_edges"][0], want_first, atol=1e-6)
   np.testing.assert_array_equal(got["sx_tokens"], tok(["A box on the left. A box on the right."])[0])
   assert got["sx_chunks"].shape == (8, 20) and got["sx_chunks"].sum(1)[0] > 0
-  none = pipeline.structure_inputs({**ex, "segments": None}, cap, pipeline.resize_center_crop(img, 16), tok, 16, st,
+  none = structxlip_fw.structure_inputs({**ex, "segments": None}, cap, pipeline.resize_center_crop(img, 16), tok, 16, st,
                                    0, 0, 0)
   assert not none["sx_crop_valid"].any() and none["sx_crop_edges"].sum() == 0
 

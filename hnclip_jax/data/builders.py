@@ -168,16 +168,3 @@ def data_source(data_config, split: str, decode_images: bool = True):
   if split not in sources:
     raise ValueError(f"split {split!r} does not exist in dataset {data_config.name!r}; available: {sorted(sources)}")
   return sources[split]
-
-
-def count_segments(data_config, split: str, framework: str = "goal") -> tuple[int, int]:
-  """(examples of `split` with at least one segment, examples), read without decoding images. Raises naming the
-  dataset when it has no segment feature at all (GOAL and StructXLIP need them: docs/frameworks.md)."""
-  source = data_source(data_config, split, decode_images=False)
-  if "segments" not in source.dataset_info.features:
-    raise ValueError(f"config.framework={framework!r} needs per-example segments (a box and its sentence), but "
-                     f"config.data.name={data_config.name!r} has none. Use the 'pairs' layout with a 'segments' "
-                     "field (python -m hnclip_jax.tools.match_segments makes it from any segmenter's boxes; "
-                     "docs/frameworks.md) or the built-in synthetic data")
-  with_segments = sum(len(source[i]["segments"]["sentence"]) > 0 for i in range(len(source)))
-  return with_segments, len(source)

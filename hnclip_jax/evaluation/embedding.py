@@ -1,4 +1,4 @@
-"""Embedding for evaluation: the jitted encoders (plain and FineLIP's aggregated tokens) and the loop that embeds
+"""Embedding for evaluation: the jitted encoders (plain, and a framework score's features) and the loop that embeds
 every image and caption of a data set on a mesh (several processes included), then Recall@K."""
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ def make_embed_fn(graphdef, mesh, param_shardings) -> Encoders:
                   texts=jax.jit(lambda p, t: bind(graphdef, p).encode_text(t), **kw))
 
 
-def make_aggregated_embed_fn(graphdef, mesh, param_shardings, token_layer: int = -1) -> Encoders:
-  """Jitted eval encoders of FineLIP's aggregated tokens ([B, 1+K, E] images, [B, K+1, E] captions, from the
-  tokens of block `token_layer`, as in training), for eval.py --score=finelip."""
+def make_score_embed_fn(graphdef, mesh, param_shardings, score, config) -> Encoders:
+  """Jitted eval encoders of a framework score's per-example features (`frameworks.Score.encode_image` /
+  `encode_text`), for eval.py --score=NAME."""
   batch_sh = sharding.batch_sharding(mesh)
   kw = dict(in_shardings=(param_shardings, batch_sh), out_shardings=batch_sh, compiler_options=sharding.compiler_options(mesh))
-  return Encoders(images=jax.jit(lambda p, x: bind(graphdef, p).encode_image_aggregated(x, token_layer), **kw),
-                  texts=jax.jit(lambda p, t: bind(graphdef, p).encode_text_aggregated(t, token_layer), **kw))
+  return Encoders(images=jax.jit(lambda p, x: score.encode_image(bind(graphdef, p), x, config), **kw),
+                  texts=jax.jit(lambda p, t: score.encode_text(bind(graphdef, p), t, config), **kw))
 
 
 def _embed_rows(params, fn, batches, mesh, name: str, n: int) -> np.ndarray:

@@ -21,9 +21,10 @@ import time
 
 import jax
 
-from hnclip_jax import experiment, sharding, storage
+from hnclip_jax import experiment, frameworks, sharding, storage
 from hnclip_jax.data import builders, pipeline
 from hnclip_jax.evaluation import benchmarks as bench_lib, embedding
+from hnclip_jax.evaluation.retrieval import recall_from_scores
 from hnclip_jax.metrics import log
 from hnclip_jax.models import abstract_model
 from hnclip_jax.workdir import Workdir, check_model_compatible, write_model, write_tokenizer
@@ -49,12 +50,9 @@ class Evaluator:
     self.target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params,
                                param_sh)
     self.encoders = embedding.make_embed_fn(graphdef, mesh, param_sh)
-    self.aggregated = None
-    if score == "finelip":
-      if not self.model_cfg.aggregate_tokens:
-        raise ValueError(f"--score=finelip needs FineLIP's token aggregators, but {wd.path} was trained without "
-                         "them (config.framework='finelip' adds them); use --score=cosine")
-      self.aggregated = embedding.make_aggregated_embed_fn(graphdef, mesh, param_sh, int(config.loss.token_layer))
+    self.scorer = frameworks.score(score, self.model_cfg, wd.path)  # None: cosine
+    self.score_encoders = None if self.scorer is None else embedding.make_score_embed_fn(
+        graphdef, mesh, param_sh, self.scorer, config)
     self.ckpt = wd.checkpointer(read_only=True)
     self._data = {}
 
@@ -93,12 +91,10 @@ class Evaluator:
     img, txt, caption_image = embedding.embed_split(params, self.encoders, source, self.tokenizer, self.model_cfg,
                                                      self.mesh, c.eval_batch_size, captions)
     res = embedding.retrieval_result(img, txt, caption_image)
-    if self.aggregated is not None:
-      from hnclip_jax.evaluation.retrieval import finelip_scores, recall_from_scores
-      img_agg, txt_agg, _ = embedding.embed_split(params, self.aggregated, source, self.tokenizer, self.model_cfg,
-                                                   self.mesh, c.eval_batch_size, captions)
-      res.update(recall_from_scores(finelip_scores(img, txt, img_agg, txt_agg, float(c.finelip.score_weight)),
-                                    caption_image))
+    if self.scorer is not None:
+      img_x, txt_x, _ = embedding.embed_split(params, self.score_encoders, source, self.tokenizer, self.model_cfg,
+                                               self.mesh, c.eval_batch_size, captions)
+      res.update(recall_from_scores(self.scorer.scores(img, txt, img_x, txt_x, c), caption_image))
     row = {"step": int(step), "benchmark": b.name, "dataset": b.data.name, "split": b.split,
            "num_pairs": res["num_pairs"], "num_images": res["num_images"], "num_captions": res["num_captions"],
            "t2i": res["t2i"], "i2t": res["i2t"], "score": self.score}

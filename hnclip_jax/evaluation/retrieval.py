@@ -99,7 +99,7 @@ def recall_at_k(img_emb, txt_emb, ks=(1, 5, 10), chunk: int = 1024, caption_imag
 def recall_from_scores(scores, caption_image=None, ks=(1, 5, 10)):
   """Recall@K from a score matrix: scores [N_cap, N_img] (caption c vs image i; higher ranks first), caption_image as
   in `recall_at_k`. Ties count against the ground truth, as there. For scores that are not a dot product of
-  embeddings (FineLIP's late interaction); the matrix is held in host memory (4·N_cap·N_img bytes)."""
+  embeddings (a framework's score, e.g. late interaction of tokens); the matrix is held in host memory (4·N_cap·N_img bytes)."""
   scores = np.asarray(scores, np.float64)
   check_finite(**{"caption rows of the score matrix": scores})
   n_cap, n_img = scores.shape
@@ -114,25 +114,3 @@ def recall_from_scores(scores, caption_image=None, ks=(1, 5, 10)):
   rank_i2t = np.sum((scores >= best[None, :]) & not_gt, axis=0)
   pct = lambda rank, n: {f"R@{k}": 100.0 * float(np.sum(rank < k)) / n for k in ks}
   return {"t2i": pct(rank_t2i, n_cap), "i2t": pct(rank_i2t, n_img)}
-
-
-@functools.partial(jax.jit, static_argnames=("weight",))
-def _finelip_chunk(txt_c, txt_agg_c, img, img_agg, weight):
-  from hnclip_jax.losses import late_interaction, sims
-  return (1.0 - weight) * sims(txt_c, img, "cd,nd->cn") + weight * late_interaction(img_agg, txt_agg_c)[0].T
-
-
-def finelip_scores(img, txt, img_agg, txt_agg, weight: float = 0.2, chunk: int = 16) -> np.ndarray:
-  """FineLIP's inference score [N_cap, N_img]: (1 − weight)·cosine of the global embeddings (img [N_img, D], txt
-  [N_cap, D]) + weight·late interaction of the aggregated tokens (img_agg [N_img, Ti, E], txt_agg [N_cap, Tt, E];
-  `losses.late_interaction`); `chunk` captions at a time against every image ([chunk, N_img, Ti, Tt] alive)."""
-  img, img_agg = jnp.asarray(img, jnp.float32), jnp.asarray(img_agg, jnp.float32)
-  out = []
-  for start in range(0, len(txt_agg), chunk):
-    c, ca = (np.asarray(x[start:start + chunk], np.float32) for x in (txt, txt_agg))
-    m = len(c)
-    if m < chunk:
-      c = np.concatenate([c, np.zeros((chunk - m, *c.shape[1:]), np.float32)])
-      ca = np.concatenate([ca, np.zeros((chunk - m, *ca.shape[1:]), np.float32)])
-    out.append(np.asarray(_finelip_chunk(jnp.asarray(c), jnp.asarray(ca), img, img_agg, float(weight)))[:m])
-  return np.concatenate(out)

@@ -4,8 +4,13 @@ a module outside this package). All of them are optional:
 
 - `TITLE`, `CONFIG` (its settings' defaults: config.<BLOCK>), `BLOCK` (the block's name; a built-in framework's is
   its registry name), `NON_NEGATIVE` (keys of the block that must be >= 0), `ALWAYS_READ` (keys read even when
-  another framework is chosen), `OFF` (the architecture fields it sets, as they are under another framework);
-- `model_fields(config)`: checks its block, returns the architecture fields (CLIPConfig) it implies;
+  another framework is chosen), `LOSS_SETTINGS` (config.loss keys it reads even with the token term off);
+- `model_fields(config)`: checks its block, returns the architecture fields (CLIPConfig) it implies, e.g. its own
+  modules: `parts` ("package.module:function", the function (cfg, settings, rngs) -> {attribute: nnx.Module}
+  the model adds; its attribute `check(cfg, settings)` runs in CLIPConfig.validate) and `part_settings`
+  ((key, value) pairs); their parameters are replicated on the mesh (sharding.py);
+- `upgrade_model_dict(d)`: a saved model description (model.json, a checkpoint's) of an older layout -> today's;
+- `SCORES`: {name: `Score`} eval scores for the models its parts make (`eval.py --score=name`);
 - `objective(config, obj)`: `obj` with its loss terms added (each a `Term`, base.py: the term's math, the extra
   model outputs it reads, its inputs);
 - `inputs(config, model_cfg, tokenizer)`: a picklable callable (example, caption, image uint8 [H, W, 3], seed, step,
@@ -21,8 +26,9 @@ a module outside this package). All of them are optional:
   weights (config.init_from) given its modules — fresh ones added, or a start's own checked; another framework's
   `PARAMS` are left out of a start (experiment.start_params).
 
-docs/frameworks.md ("Write your own framework") walks through one. `blocks`, `model_fields`, `objective_for`, `hook`
-and `settings` are what the core asks of this package; nothing outside it names a framework.
+docs/frameworks.md ("Write your own framework") walks through one. `blocks`, `model_fields`, `objective_for`, `hook`,
+`settings`, `loss_settings`, `score` and `upgrade_model_dict` are what the core asks of this package; nothing outside
+it names a framework.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ import importlib
 
 import ml_collections
 
-from hnclip_jax.frameworks.base import Context, Term
+from hnclip_jax.frameworks.base import Context, Score, Term
 
 # config.framework -> the module of a built-in framework ("longclip": L_HN alone, no module).
 REGISTRY = {"longclip": None, "finelip": "hnclip_jax.frameworks.finelip", "goal": "hnclip_jax.frameworks.goal",
@@ -111,18 +117,17 @@ def settings(config):
 def model_fields(config) -> dict:
   """Checks config.framework and every framework's block: a block changed from its defaults while another
   framework is chosen is refused (it would silently do nothing). Returns the architecture fields the choice
-  implies (FineLIP's aggregators; `OFF` of the others)."""
+  implies (no model parts unless the chosen framework adds them)."""
   chosen = check_name(config)
-  fields = {}
+  fields = {"parts": "", "part_settings": ()}
   for name, mod in blocks():
     if name == chosen:
       continue
     changed = [f"config.{name}.{k}={v!r}" for k, v in config.get(name, {}).items()
-               if k not in mod.ALWAYS_READ and v != mod.CONFIG.get(k)]
+               if k not in getattr(mod, "ALWAYS_READ", ()) and v != mod.CONFIG.get(k)]
     if changed:
       raise ValueError(f"{', '.join(changed)} set, but config.framework={chosen!r}: {mod.TITLE}'s settings apply only "
                        f"with config.framework={name!r}. Set that, or drop them")
-    fields.update(mod.OFF)
   own = hook(config, "model_fields")
   if own is not None:
     fields.update(own(config))
@@ -135,11 +140,51 @@ def hook(config, name: str):
   return None if fw is None else getattr(fw, name, None)
 
 
+def loss_settings(config) -> tuple:
+  """config.loss keys the chosen framework reads even with the token term off (its `LOSS_SETTINGS`)."""
+  fw = resolve(check_name(config))
+  return tuple(getattr(fw, "LOSS_SETTINGS", ())) if fw is not None else ()
+
+
+def upgrade_model_dict(d: dict) -> dict:
+  """A saved model description (model.json, a checkpoint's meta) -> today's CLIPConfig fields: each registered
+  framework's `upgrade_model_dict` maps the fields its older versions wrote."""
+  for _, mod in blocks():
+    up = getattr(mod, "upgrade_model_dict", None)
+    if up is not None:
+      d = up(d)
+  return d
+
+
+def _parts_framework(model_cfg):
+  """The framework whose `model_parts` made the model's parts (None when it has none)."""
+  if not model_cfg.parts:
+    return None
+  return importlib.import_module(model_cfg.parts.partition(":")[0])
+
+
+def score(name: str, model_cfg, where: str):
+  """eval.py --score=name -> the `Score` (None for "cosine"), from the framework whose parts the model has; raises
+  naming the choices, or what the model lacks."""
+  if name == "cosine":
+    return None
+  own = getattr(_parts_framework(model_cfg), "SCORES", {}) if model_cfg.parts else {}
+  if name in own:
+    own[name].check(model_cfg, where)
+    return own[name]
+  for _, mod in blocks():  # a built-in framework's score on a model without its parts: its own message
+    if name in getattr(mod, "SCORES", {}):
+      mod.SCORES[name].check(model_cfg, where)
+  raise ValueError(f"--score={name!r}: choose 'cosine'" + "".join(f" or {n!r}" for n in own) +
+                   f" (the scores {where}'s model offers)")
+
+
 def objective_for(config, obj):
   """The objective `obj` (built from config.loss) with config.framework's terms added."""
   add = hook(config, "objective")
   return obj if add is None else add(config, obj)
 
 
-__all__ = ["Context", "REGISTRY", "Term", "block_name", "blocks", "check_name", "external_block", "hook",
-           "model_fields", "objective_for", "resolve", "settings", "use"]
+__all__ = ["Context", "REGISTRY", "Score", "Term", "block_name", "blocks", "check_name", "external_block", "hook",
+           "loss_settings", "model_fields", "objective_for", "resolve", "score", "settings", "upgrade_model_dict",
+           "use"]

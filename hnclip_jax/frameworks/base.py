@@ -89,3 +89,32 @@ def one_epoch_as_steps(config, key: str, steps_per_epoch: int):
   with config.unlocked():
     config[block][name] = steps_per_epoch
   return config
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+  """An eval score besides cosine (`eval.py --score=NAME`), offered by a framework's `SCORES` {NAME: Score} for the
+  models its `parts` make. Subclasses override:
+
+  - `check(model_cfg, where)`: raise, naming what is missing, when the model cannot give the score;
+  - `describe(config)`: one line for the log (how it ranks);
+  - `encode_image(model, pixels, config)`, `encode_text(model, tokens, config)`: per-example features beside the
+    global embeddings ([B, ...] each; jitted and batch-sharded by the core like the plain encoders);
+  - `scores(img, txt, img_x, txt_x, config)` -> [N_cap, N_img] (higher ranks first) from the global embeddings
+    (img [N_img, D], txt [N_cap, D]) and those features (host arrays, every image and caption).
+  """
+
+  def check(self, model_cfg, where: str) -> None:
+    del model_cfg, where
+
+  def describe(self, config) -> str:
+    raise NotImplementedError
+
+  def encode_image(self, model, pixels, config):
+    raise NotImplementedError
+
+  def encode_text(self, model, tokens, config):
+    raise NotImplementedError
+
+  def scores(self, img, txt, img_x, txt_x, config):
+    raise NotImplementedError

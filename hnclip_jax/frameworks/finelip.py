@@ -1,16 +1,22 @@
 """FineLIP (Asokan et al. 2025): a hinge over late-interaction scores of aggregated tokens, added to L_HN.
 
-This module holds FineLIP's config block (`config.finelip`), its checks and its loss term. The model side (the token
-aggregators, `CLIPConfig.aggregate_tokens`) is still in hnclip_jax/models/clip.py; docs/frameworks.md describes the
-method."""
+This module holds everything FineLIP adds: its config block (`config.finelip`) and checks, the two token aggregators
+the model gains (`TokenAggregation`, built through `CLIPConfig.parts`), the aggregated-token outputs and the hinge
+term, the ramp, the aggregators' weights on config.init_from and under LoRA / DoRA, and eval.py's
+`--score=finelip`. docs/frameworks.md describes the method."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 from hnclip_jax import losses
-from hnclip_jax.frameworks.base import Term, one_epoch_as_steps
+from hnclip_jax.frameworks.base import Score, Term, one_epoch_as_steps
+from hnclip_jax.models.clip import l2_normalize
 
 
 TITLE = "FineLIP"
@@ -26,9 +32,11 @@ CONFIG = {"tokens": 39, "hidden_ratio": 0.2, "weight": 1.0, "margin": 0.2, "redu
           "hn_margin": False, "global_weight": 1.0, "score_weight": 0.2}
 NON_NEGATIVE = ("weight", "margin", "global_weight", "score_weight")
 # Read whatever config.framework is (eval.py --score=finelip on any model with aggregators).
-# The architecture fields this framework sets, as they are when another framework is chosen.
-OFF = {"aggregate_tokens": 0}
 ALWAYS_READ = ("score_weight",)
+# config.loss keys the aggregators read even with the token term off (the tokens they aggregate).
+LOSS_SETTINGS = ("token_layer", "token_image_cls")
+# CLIPConfig.parts of a FineLIP model: this module's `model_parts`.
+PARTS = f"{__name__}:model_parts"
 
 
 def model_fields(config) -> dict:
@@ -44,20 +52,88 @@ def model_fields(config) -> dict:
     raise ValueError(f"config.finelip.ramp_steps={f.ramp_steps}; use -1 (one epoch), 0 (no ramp) or a step count")
   if not 0 <= float(f.score_weight) <= 1:
     raise ValueError(f"config.finelip.score_weight={f.score_weight} must be in [0, 1]")
-  return {"aggregate_tokens": int(f.tokens), "aggregate_hidden_ratio": float(f.hidden_ratio)}
+  return {"parts": PARTS, "part_settings": (("hidden_ratio", float(f.hidden_ratio)), ("tokens", int(f.tokens)))}
 
 
-# The model's top-level modules this framework adds (models/clip.py TokenAggregation, one per tower).
+# ---- The model's parts: one token aggregator per tower ----------------------------------------------------------
+
+# The model's top-level modules this framework adds (`TokenAggregation`, one per tower).
 PARAMS = ("image_aggregator", "text_aggregator")
+
+
+class TokenAggregation(nnx.Module):
+  """FineLIP's token aggregation: N tokens [B, N, E] -> K tokens [B, K, E], each a softmax-weighted mean of the input
+  tokens. The weights come from LayerNorm -> Linear(E, h) -> GELU -> Linear(h, K) per token, times a learned scalar
+  temperature (init 1), normalised over the (valid) tokens. Runs in fp32 (a small module; its softmax over tokens
+  should not round)."""
+
+  def __init__(self, dim: int, tokens: int, hidden: int, eps: float, *, rngs: nnx.Rngs):
+    self.norm = nnx.LayerNorm(dim, epsilon=eps, rngs=rngs)
+    self.fc1 = nnx.Linear(dim, hidden, rngs=rngs)
+    self.fc2 = nnx.Linear(hidden, tokens, rngs=rngs)
+    self.scale = nnx.Param(jnp.ones((), jnp.float32))
+
+  def __call__(self, x, mask=None):  # x [B, N, E], mask [B, N] bool (True: a token to aggregate) -> [B, K, E]
+    x = x.astype(jnp.float32)
+    logits = self.fc2(jax.nn.gelu(self.fc1(self.norm(x)), approximate=False)) * self.scale[...]  # [B, N, K]
+    if mask is not None:
+      logits = jnp.where(mask[:, :, None], logits, -1e30)
+    weights = jax.nn.softmax(logits, axis=1)
+    return jnp.einsum("bnk,bne->bke", weights, x, precision=jax.lax.Precision.HIGHEST)
+
+
+def _hidden(cfg, settings) -> int:
+  return int(float(settings["hidden_ratio"]) * cfg.embed_dim)
+
+
+def check_parts(cfg, settings: dict) -> None:
+  """The aggregators' settings against the architecture (CLIPConfig.validate)."""
+  if int(settings["tokens"]) < 1:
+    raise ValueError(f"config.finelip.tokens={settings['tokens']} must be >= 1")
+  if _hidden(cfg, settings) < 1:
+    raise ValueError(f"config.finelip.hidden_ratio={settings['hidden_ratio']} gives an MLP of width "
+                     f"int({settings['hidden_ratio']} * embed_dim {cfg.embed_dim}) = 0; use a larger ratio")
+
+
+def model_parts(cfg, settings: dict, rngs: nnx.Rngs) -> dict:
+  """CLIPConfig.parts: the two aggregation modules (model attributes `PARAMS`)."""
+  return {name: TokenAggregation(cfg.embed_dim, int(settings["tokens"]), _hidden(cfg, settings), cfg.ln_eps,
+                                 rngs=rngs) for name in PARAMS}
+
+
+model_parts.check = check_parts
+
+
+def has_aggregators(cfg) -> bool:
+  return cfg.parts == PARTS
+
+
+def init_aggregators(cfg, seed: int) -> dict:
+  """Fresh aggregation-module parameters (pure dicts, keyed as in the model's params) for weights that lack them."""
+  mods = model_parts(cfg, dict(cfg.part_settings), nnx.Rngs(seed + 104729))
+  return {k: nnx.to_pure_dict(nnx.state(m, nnx.Param)) for k, m in mods.items()}
+
+
+def aggregate_image(model, img_tok):
+  """[CLS, K aggregated patches] [B, 1+K, E] from projected, unnormalised image tokens img_tok [B, 1+P, E] (CLS
+  first), L2-normalised per token, fp32."""
+  agg = jnp.concatenate([img_tok[:, :1].astype(jnp.float32), model.image_aggregator(img_tok[:, 1:])], axis=1)
+  return l2_normalize(agg)
+
+
+def aggregate_text(model, txt_tok, tokens):
+  """[K aggregated from the start token through the last word, the end-of-text token] [B, K+1, E] from projected,
+  unnormalised text tokens txt_tok [B, L, E], L2-normalised per token, fp32."""
+  eot = model.eot_positions(tokens)
+  words = jnp.arange(tokens.shape[1])[None, :] < eot[:, None]  # start token .. last word (never empty)
+  eot_tok = jnp.take_along_axis(txt_tok, eot[:, None, None], axis=1).astype(jnp.float32)
+  return l2_normalize(jnp.concatenate([model.text_aggregator(txt_tok, words), eot_tok], axis=1))
 
 
 def start_params(params: dict, cfg, seed: int, source: str) -> dict:
   """Pretrained weights with the aggregators `cfg` has: fresh ones where the weights lack them (pre-trained CLIP),
   a FineLIP start's own where their shapes match."""
-  import jax
-  import numpy as np
-  from hnclip_jax.models.clip import init_aggregators
-  if not cfg.aggregate_tokens:
+  if not has_aggregators(cfg):
     return {k: v for k, v in params.items() if k not in PARAMS}
   params = dict(params)
   for name, tree in init_aggregators(cfg, seed).items():
@@ -66,16 +142,29 @@ def start_params(params: dict, cfg, seed: int, source: str) -> dict:
       continue
     have, want = jax.tree.map(np.shape, params[name]), jax.tree.map(np.shape, tree)
     if have != want:
+      got = dict(cfg.part_settings)
       raise ValueError(f"config.init_from={source} has FineLIP aggregators of other shapes ({name}: {have} vs "
-                       f"{want} for config.finelip.tokens={cfg.aggregate_tokens}, hidden_ratio="
-                       f"{cfg.aggregate_hidden_ratio}); use its settings, or set them to match")
+                       f"{want} for config.finelip.tokens={got['tokens']}, hidden_ratio={got['hidden_ratio']}); "
+                       "use its settings, or set them to match")
   return params
 
 
 def trained_with_adapters(model_cfg) -> tuple:
   """Parameters (path regexes) that train under LoRA / DoRA although they are not adapters: the aggregators, new
   and randomly initialised."""
-  return (r"(?:image|text)_aggregator/",) if model_cfg.aggregate_tokens else ()
+  return (r"(?:image|text)_aggregator/",) if has_aggregators(model_cfg) else ()
+
+
+def upgrade_model_dict(d: dict) -> dict:
+  """A model.json / checkpoint description written before CLIPConfig.parts (FineLIP's aggregators were the fields
+  aggregate_tokens / aggregate_hidden_ratio) -> today's fields."""
+  if "aggregate_tokens" not in d and "aggregate_hidden_ratio" not in d:
+    return d
+  d = dict(d)
+  tokens, ratio = int(d.pop("aggregate_tokens", 0)), float(d.pop("aggregate_hidden_ratio", 0.2))
+  if tokens:
+    d.update(parts=PARTS, part_settings=(("hidden_ratio", ratio), ("tokens", tokens)))
+  return d
 
 
 def resolve_epochs(config, steps_per_epoch: int):
@@ -95,10 +184,14 @@ class FineLIPTerm(Term):
   names = ("fine",)
 
   def model_kwargs(self, objective, inputs=None) -> dict:
-    return {"token_layer": objective.token_layer, "image_cls_token": objective.token_image_cls, "aggregate": True}
+    return {"token_layer": objective.token_layer, "image_cls_token": objective.token_image_cls}
+
+  def outputs(self, model, out, inputs, rng=None, hidden=None) -> dict:
+    return {"img_agg": aggregate_image(model, hidden["image_tokens"]),
+            "txt_agg": aggregate_text(model, hidden["text_tokens"], inputs["tokens"])}
 
   def check(self, model_cfg, objective) -> None:
-    if not model_cfg.aggregate_tokens:
+    if not has_aggregators(model_cfg):
       raise ValueError("config.framework='finelip' needs the model's token aggregators, but this model has none "
                        "(config.finelip.tokens=0?)")
     if self.reduction not in ("sum", "mean"):
@@ -128,3 +221,54 @@ def objective(config, obj):
   term = FineLIPTerm(weight=float(f.weight), margin=float(f.margin), reduction=str(f.reduction),
                      ramp_steps=max(int(f.ramp_steps), 0), hn_margin=bool(f.hn_margin))
   return obj.replace(global_weight=float(f.global_weight), terms=obj.terms + (term,))
+
+
+# ---- eval.py --score=finelip ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class FineLIPScore(Score):
+  """FineLIP's inference score: (1 − w)·cosine of the global embeddings + w·late interaction of the aggregated
+  tokens, w = config.finelip.score_weight, the tokens of block config.loss.token_layer as in training."""
+
+  def check(self, model_cfg, where: str) -> None:
+    if not has_aggregators(model_cfg):
+      raise ValueError(f"--score=finelip needs FineLIP's token aggregators, but {where} was trained without them "
+                       "(config.framework='finelip' adds them); use --score=cosine")
+
+  def describe(self, config) -> str:
+    w = float(config.finelip.score_weight)
+    return f"{1 - w:g}·cosine + {w:g}·late interaction of the aggregated tokens (config.finelip.score_weight)"
+
+  def encode_image(self, model, pixels, config):  # [B, H, W, 3] -> [B, 1+K, E]
+    return aggregate_image(model, model.image_tower(pixels, int(config.loss.token_layer))[1])
+
+  def encode_text(self, model, tokens, config):  # [B, L] -> [B, K+1, E]
+    return aggregate_text(model, model.text_tower(tokens, int(config.loss.token_layer))[1], tokens)
+
+  def scores(self, img, txt, img_x, txt_x, config):
+    return finelip_scores(img, txt, img_x, txt_x, float(config.finelip.score_weight))
+
+
+SCORES = {"finelip": FineLIPScore()}
+
+
+@functools.partial(jax.jit, static_argnames=("weight",))
+def _finelip_chunk(txt_c, txt_agg_c, img, img_agg, weight):
+  return ((1.0 - weight) * losses.sims(txt_c, img, "cd,nd->cn") +
+          weight * losses.late_interaction(img_agg, txt_agg_c)[0].T)
+
+
+def finelip_scores(img, txt, img_agg, txt_agg, weight: float = 0.2, chunk: int = 16) -> np.ndarray:
+  """FineLIP's inference score [N_cap, N_img]: (1 − weight)·cosine of the global embeddings (img [N_img, D], txt
+  [N_cap, D]) + weight·late interaction of the aggregated tokens (img_agg [N_img, Ti, E], txt_agg [N_cap, Tt, E];
+  `losses.late_interaction`); `chunk` captions at a time against every image ([chunk, N_img, Ti, Tt] alive)."""
+  img, img_agg = jnp.asarray(img, jnp.float32), jnp.asarray(img_agg, jnp.float32)
+  out = []
+  for start in range(0, len(txt_agg), chunk):
+    c, ca = (np.asarray(x[start:start + chunk], np.float32) for x in (txt, txt_agg))
+    m = len(c)
+    if m < chunk:
+      c = np.concatenate([c, np.zeros((chunk - m, *c.shape[1:]), np.float32)])
+      ca = np.concatenate([ca, np.zeros((chunk - m, *ca.shape[1:]), np.float32)])
+    out.append(np.asarray(_finelip_chunk(jnp.asarray(c), jnp.asarray(ca), img, img_agg, float(weight)))[:m])
+  return np.concatenate(out)

@@ -2,19 +2,23 @@
 of pooled patches with the crop and of the caption's sentence span with the sentence, added to L_HN.
 
 This module holds all of GOAL: its config block (`config.goal`), its per-example inputs (`inputs`, `input_specs`;
-the segment choice and crops are hnclip_jax/data/pipeline.segment_inputs), its model outputs (`GOALTerm.outputs`:
+`segment_inputs`: the segment choice, crop, patches and span), its model outputs (`GOALTerm.outputs`:
 a second pass of each tower over the crop and the sentence, the region and span pools of the first pass's last
 block) and its loss term; docs/frameworks.md describes the method."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from PIL import Image
 
 from hnclip_jax import losses
+from hnclip_jax.data import manual, pipeline
 from hnclip_jax.frameworks.base import Term
-from hnclip_jax.frameworks.segments import check_segments
+from hnclip_jax.frameworks.segments import check_segments, segment_choice, segments_of
 from hnclip_jax.models.clip import dropout_key, l2_normalize
 
 
@@ -27,10 +31,7 @@ TITLE = "GOAL"
 # term; docs/frameworks.md).
 CONFIG = {"segment_weight": 0.5, "patch_weight": 1.0, "text_weight": 1.0, "segment_margin": False}
 NON_NEGATIVE = ("segment_weight", "patch_weight", "text_weight")
-# The architecture fields this framework sets, as they are when another framework is chosen.
-OFF = {}
-ALWAYS_READ = ()
-# Its per-example inputs (made by `inputs`: hnclip_jax.data.pipeline.segment_inputs): the chosen segment's crop
+# Its per-example inputs (made by `inputs`: `segment_inputs`): the chosen segment's crop
 # [H, W, 3] and sentence tokens [L], the patches under its box [P], the sentence's span in the caption [L], and
 # whether the example has a segment.
 SEGMENT_KEYS = ("seg_image", "seg_tokens", "seg_patches", "seg_span", "seg_valid")
@@ -119,6 +120,67 @@ def check_data(config, objective) -> str:
   return check_segments(config)
 
 
+# ---- Per-example inputs (the input pipeline) ---------------------------------------------------------------------
+
+def locate_sentence(caption: str, sentence: str):
+  """(start, end) characters of `sentence` in `caption` (white space and letter case may differ), or None."""
+  i = caption.find(sentence)
+  if i >= 0:
+    return i, i + len(sentence)
+  words = sentence.split()
+  if not words:
+    return None
+  m = re.search(r"\s+".join(re.escape(w) for w in words), caption, flags=re.IGNORECASE)
+  return (m.start(), m.end()) if m else None
+
+
+def box_to_patches(box, width: int, height: int, image_size: int, patch_size: int) -> np.ndarray:
+  """float32 [g*g] (g = image_size // patch_size, row-major like the patch tokens): 1 on the patches a box of the
+  original width x height image covers after `resize_center_crop` to image_size (the same resize and crop as the
+  image); all 0 when the crop cut the box away."""
+  if width <= height:
+    new_w, new_h = image_size, int(image_size * height / width)
+  else:
+    new_w, new_h = int(image_size * width / height), image_size
+  left, top = (new_w - image_size) // 2, (new_h - image_size) // 2
+  x0, y0, x1, y1 = (float(v) for v in box)
+  x0, x1 = x0 * new_w / width - left, x1 * new_w / width - left
+  y0, y1 = y0 * new_h / height - top, y1 * new_h / height - top
+  g = image_size // patch_size
+  c0, c1 = max(int(np.floor(x0 / patch_size)), 0), min(int(np.ceil(x1 / patch_size)), g)
+  r0, r1 = max(int(np.floor(y0 / patch_size)), 0), min(int(np.ceil(y1 / patch_size)), g)
+  mask = np.zeros((g, g), np.float32)
+  if c1 > c0 and r1 > r0:
+    mask[r0:r1, c0:c1] = 1.0
+  return mask.reshape(-1)
+
+
+def segment_inputs(ex, caption: str, tokenizer, image_size: int, patch_size: int, seed: int, step: int,
+                   index: int) -> dict:
+  """The GOAL inputs of one example: its chosen segment's crop ("seg_image", CLIP-preprocessed like any image),
+  sentence tokens ("seg_tokens"), the patches under its box ("seg_patches" [g*g]), the positions of the sentence
+  among the caption's tokens ("seg_span" [L], 0 where the sentence is not in this caption or was truncated) and
+  "seg_valid" (False for an example without segments: every segment term leaves it out)."""
+  g, length = image_size // patch_size, tokenizer.context_length
+  segments = segments_of(ex)
+  if not segments:
+    return {"seg_image": np.zeros((image_size, image_size, 3), np.float32), "seg_tokens": tokenizer([""])[0],
+            "seg_patches": np.zeros(g * g, np.float32), "seg_span": np.zeros(length, np.float32),
+            "seg_valid": np.bool_(False)}
+  seg = segments[segment_choice(segments, seed, step, index)]
+  image = ex["image"] if isinstance(ex["image"], Image.Image) else Image.fromarray(np.asarray(ex["image"]).squeeze())
+  image = image.convert("RGB")
+  box = manual.check_box(list(seg["box"]), image.width, image.height, f"example {index} segment")
+  span = np.zeros(length, np.float32)
+  where = locate_sentence(caption, seg["sentence"])
+  if where is not None:
+    span[tokenizer.span_positions(caption, *where)] = 1.0
+  return {"seg_image": pipeline.clip_preprocess(manual.crop_box(image, box), image_size),
+          "seg_tokens": tokenizer([seg["sentence"]])[0],
+          "seg_patches": box_to_patches(box, image.width, image.height, image_size, patch_size),
+          "seg_span": span, "seg_valid": np.bool_(True)}
+
+
 class SegmentInputs:
   """The input pipeline's per-example GOAL inputs (picklable for grain's workers)."""
 
@@ -126,10 +188,8 @@ class SegmentInputs:
     self.tokenizer, self.image_size, self.patch_size = tokenizer, image_size, patch_size
 
   def __call__(self, example, caption, image, seed, step, index):
-    from hnclip_jax.data import pipeline
     del image
-    return pipeline.segment_inputs(example, caption, self.tokenizer, self.image_size, self.patch_size, seed, step,
-                                   index)
+    return segment_inputs(example, caption, self.tokenizer, self.image_size, self.patch_size, seed, step, index)
 
 
 def inputs(config, model_cfg, tokenizer):

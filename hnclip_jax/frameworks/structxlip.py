@@ -3,8 +3,8 @@ consistency 1 − cos, and the multi-positive local term of caption chunks again
 crops, with per-epoch weight factors, added to L_HN.
 
 This module holds all of StructXLIP: its config block (`config.structxlip`) and checks, its per-example inputs
-(`inputs`, `input_specs`; edge maps and chunks are made by hnclip_jax/data/pipeline.structure_inputs with
-hnclip_jax/data/structure.py), its model outputs (`StructXLIPTerm.outputs`: the towers over the edge maps, crops and
+(`inputs`, `input_specs`; edge maps and chunks are made by `structure_inputs` with
+hnclip_jax/frameworks/structure.py), its model outputs (`StructXLIPTerm.outputs`: the towers over the edge maps, crops and
 structure caption, and `pool_chunks`), its loss term and its logit-scale clamp; docs/frameworks.md describes the
 method."""
 from __future__ import annotations
@@ -13,10 +13,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from PIL import Image
 
 from hnclip_jax import losses
+from hnclip_jax.data import manual, pipeline
 from hnclip_jax.frameworks.base import Term, one_epoch_as_steps
-from hnclip_jax.frameworks.segments import check_segments
+from hnclip_jax.frameworks.segments import check_segments, segments_of, top_segments
 from hnclip_jax.models.clip import dropout_key, l2_normalize
 
 
@@ -27,7 +30,7 @@ TITLE = "StructXLIP"
 # against the edge maps of the example's top_k segment crops (all crops of the batch the candidates; multiplier
 # min(s / tau, 100)). Each weight is 1x in epochs 0-1, then decays (cosine) to its floor (floors: structure,
 # consistency, local) at epoch decay_epochs; steps_per_epoch -1 = the training split / batch. remove: the word
-# groups taken out of the structure caption (hnclip_jax/data/structure.py VISUAL_WORDS); canny_low/high: the edge
+# groups taken out of the structure caption (hnclip_jax/frameworks/structure.py VISUAL_WORDS); canny_low/high: the edge
 # maps' thresholds (OpenCV Canny on the preprocessed image); base_window, stride, max_chunks: the chunks;
 # logit_scale_max: the logit-scale parameter is clamped to [0, this] (s <= e^3.5 = 33). structure_margin: put
 # L_HN's margin (γ·Ḡ of the structure captions) in the structure term too.
@@ -37,14 +40,11 @@ CONFIG = {"structure_weight": 0.5, "consistency_weight": 0.05, "local_weight": 0
           "structure_margin": False}
 NON_NEGATIVE = ("structure_weight", "consistency_weight", "local_weight", "canny_low", "canny_high",
                 "logit_scale_max")
-# The architecture fields this framework sets, as they are when another framework is chosen.
-OFF = {}
-ALWAYS_READ = ()
 
 
 def model_fields(config) -> dict:
   """Raises naming the config.structxlip key that cannot work; StructXLIP changes no architecture field."""
-  from hnclip_jax.data import structure  # (OpenCV: imported only when StructXLIP is chosen)
+  from hnclip_jax.frameworks import structure  # (OpenCV: imported only when StructXLIP is chosen)
   sx = config.structxlip
   for key in ("top_k", "max_chunks", "base_window", "stride", "decay_epochs"):
     if int(sx[key]) < 1:
@@ -63,7 +63,7 @@ def model_fields(config) -> dict:
   return {}
 
 
-# Its per-example inputs (made by `inputs`: hnclip_jax.data.pipeline.structure_inputs): the image's edge map
+# Its per-example inputs (made by `inputs`: `structure_inputs`): the image's edge map
 # [H, W, 3], the best segments' crops' edge maps [K, H, W, 3] and which exist [K], the caption without appearance
 # words [L] and its word-window chunks [C, L].
 STRUCTURE_KEYS = ("sx_edge", "sx_crop_edges", "sx_crop_valid", "sx_tokens", "sx_chunks")
@@ -169,6 +169,50 @@ def check_data(config, objective) -> str | None:
   return check_segments(config) if term is not None and term.local_weight > 0 else None
 
 
+# ---- Per-example inputs (the input pipeline) ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StructureSettings:
+  """config.structxlip's input settings (`from_config`)."""
+  top_k: int = 3  # segment edge crops per example
+  canny_low: float = 100.0
+  canny_high: float = 200.0
+  remove: tuple = ("colors",)  # structure.VISUAL_WORDS groups removed from the structure caption
+  base_window: int = 3
+  stride: int = 1
+  max_chunks: int = 64
+
+  @classmethod
+  def from_config(cls, sx) -> "StructureSettings":
+    remove = (sx.remove,) if isinstance(sx.remove, str) else tuple(sx.remove)
+    return cls(int(sx.top_k), float(sx.canny_low), float(sx.canny_high), remove, int(sx.base_window),
+               int(sx.stride), int(sx.max_chunks))
+
+
+def structure_inputs(ex, caption: str, image_u8: np.ndarray, tokenizer, image_size: int, settings: StructureSettings,
+                     seed: int, step: int, index: int) -> dict:
+  """StructXLIP's inputs of one example: "sx_edge" (the edge map of the preprocessed image `image_u8`,
+  CLIP-normalised), "sx_crop_edges" [top_k, S, S, 3] (edge maps of the best segments' crops, each crop
+  preprocessed like an image first) with "sx_crop_valid" [top_k], "sx_tokens" (the caption without appearance
+  words) and "sx_chunks" [max_chunks, L] (its word-window chunks as token masks)."""
+  from hnclip_jax.frameworks import structure  # (OpenCV: imported only when StructXLIP is chosen)
+  st = settings
+  edge = pipeline.normalize(structure.edge_map(image_u8, st.canny_low, st.canny_high))
+  crops = np.zeros((st.top_k, image_size, image_size, 3), np.float32)
+  valid = np.zeros(st.top_k, bool)
+  segments = segments_of(ex)
+  if segments:
+    image = ex["image"] if isinstance(ex["image"], Image.Image) else Image.fromarray(np.asarray(ex["image"]).squeeze())
+    image = image.convert("RGB")
+    for j, seg in enumerate(top_segments(segments, st.top_k, seed, step, index)):
+      box = manual.check_box(list(seg["box"]), image.width, image.height, f"example {index} segment")
+      crop = pipeline.resize_center_crop(manual.crop_box(image, box), image_size)
+      crops[j], valid[j] = pipeline.normalize(structure.edge_map(crop, st.canny_low, st.canny_high)), True
+  filtered = structure.filter_caption(caption, st.remove)
+  return {"sx_edge": edge, "sx_crop_edges": crops, "sx_crop_valid": valid, "sx_tokens": tokenizer([filtered])[0],
+          "sx_chunks": structure.chunk_masks(filtered, tokenizer, st.max_chunks, st.base_window, st.stride)}
+
+
 class StructureInputs:
   """The input pipeline's per-example StructXLIP inputs (picklable for grain's workers)."""
 
@@ -176,14 +220,12 @@ class StructureInputs:
     self.tokenizer, self.image_size, self.settings = tokenizer, image_size, settings
 
   def __call__(self, example, caption, image, seed, step, index):
-    from hnclip_jax.data import pipeline
-    return pipeline.structure_inputs(example, caption, image, self.tokenizer, self.image_size, self.settings, seed,
-                                     step, index)
+    return structure_inputs(example, caption, image, self.tokenizer, self.image_size, self.settings, seed, step,
+                            index)
 
 
 def inputs(config, model_cfg, tokenizer):
-  from hnclip_jax.data import pipeline
-  return StructureInputs(tokenizer, model_cfg.image_size, pipeline.StructureSettings.from_config(config.structxlip))
+  return StructureInputs(tokenizer, model_cfg.image_size, StructureSettings.from_config(config.structxlip))
 
 
 def input_specs(config, model_cfg) -> dict:

@@ -6,6 +6,7 @@ Parameters are Flax `nnx.Param`s; the trainer works with their pure-dict form
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import re
 
@@ -20,6 +21,14 @@ LOGIT_SCALE_MAX = 100.0
 # open_clip's training do (train_step), never in the forward pass: a clamp there would give s a gradient of exactly
 # 0 whenever a checkpoint sits at the bound (OpenAI and Long-CLIP store p = 4.6052 > ln 100).
 LOGIT_SCALE_PARAM_MAX = math.log(LOGIT_SCALE_MAX)
+
+
+def normalise_fields(d: dict) -> dict:
+  """A model description read from JSON -> CLIPConfig's value types (part_settings: lists -> (key, value) pairs)."""
+  d = dict(d)
+  if "part_settings" in d:
+    d["part_settings"] = tuple((str(k), v) for k, v in d["part_settings"])
+  return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +69,12 @@ class CLIPConfig:
   # DoRA: treat the column norm ||V||_c as a constant in the backward pass (the DoRA paper's §4.3 and PEFT do; it
   # changes gradients, not the forward). A training setting like the dropout: not stored in model.json.
   adapter_detach_norm: bool = False
-  # FineLIP's token aggregation (config.framework="finelip" sets these from config.finelip): each tower gets a
-  # module that turns its projected tokens into `aggregate_tokens` soft-assigned tokens (0: no module), through an
-  # MLP of hidden width int(aggregate_hidden_ratio * embed_dim). See `TokenAggregation`.
-  aggregate_tokens: int = 0
-  aggregate_hidden_ratio: float = 0.2
+  # A framework's own modules (hnclip_jax/frameworks; docs/frameworks.md): `parts` is the import path
+  # "package.module:function" of a function (cfg, settings dict, rngs) -> {attribute name: nnx.Module} that the
+  # model adds as top-level attributes ("": none), `part_settings` its architecture settings as sorted (key, value)
+  # pairs. Both are in model.json, so a saved model rebuilds with them.
+  parts: str = ""
+  part_settings: tuple = ()
 
   @classmethod
   def from_dict(cls, d) -> "CLIPConfig":
@@ -72,12 +82,12 @@ class CLIPConfig:
     unknown = sorted(set(d) - names)
     if unknown:
       raise ValueError(f"config.model has unknown field(s) {unknown}; known fields: {sorted(names)}")
-    return cls(**dict(d))
+    return cls(**normalise_fields(d))
 
   def validate(self) -> "CLIPConfig":
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
-      may_be_zero = f.name in ("adapter_dropout", "aggregate_tokens")
+      may_be_zero = f.name == "adapter_dropout"
       if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 and not may_be_zero:
         raise ValueError(f"config.model.{f.name}={v} must be positive")
     if self.image_size % self.patch_size:
@@ -102,11 +112,10 @@ class CLIPConfig:
       raise ValueError(f"config.model.act={self.act!r}; choose one of {sorted(ACTIVATIONS)}")
     if not 0 <= self.adapter_dropout < 1:
       raise ValueError(f"config.finetune.dropout={self.adapter_dropout} must be in [0, 1)")
-    if self.aggregate_tokens < 0:
-      raise ValueError(f"config.finelip.tokens={self.aggregate_tokens} must be >= 1")
-    if self.aggregate_tokens and int(self.aggregate_hidden_ratio * self.embed_dim) < 1:
-      raise ValueError(f"config.finelip.hidden_ratio={self.aggregate_hidden_ratio} gives an MLP of width "
-                       f"int({self.aggregate_hidden_ratio} * embed_dim {self.embed_dim}) = 0; use a larger ratio")
+    if self.parts:
+      check = getattr(model_parts_function(self.parts), "check", None)
+      if check is not None:  # the parts' own settings against this architecture
+        check(self, dict(self.part_settings))
     if self.adapter not in ADAPTERS:
       raise ValueError(f"config.finetune.method={self.adapter!r}; choose one of full, lora, dora")
     try:
@@ -327,43 +336,16 @@ class Transformer(nnx.Module):
     return x if keep is None else (x, kept)
 
 
-class TokenAggregation(nnx.Module):
-  """FineLIP's token aggregation: N tokens [B, N, E] -> K tokens [B, K, E], each a softmax-weighted mean of the input
-  tokens. The weights come from LayerNorm -> Linear(E, h) -> GELU -> Linear(h, K) per token, times a learned scalar
-  temperature (init 1), normalised over the (valid) tokens. Runs in fp32 (a small module; its softmax over tokens
-  should not round)."""
-
-  def __init__(self, dim: int, tokens: int, hidden: int, eps: float, *, rngs: nnx.Rngs):
-    self.norm = nnx.LayerNorm(dim, epsilon=eps, rngs=rngs)
-    self.fc1 = nnx.Linear(dim, hidden, rngs=rngs)
-    self.fc2 = nnx.Linear(hidden, tokens, rngs=rngs)
-    self.scale = nnx.Param(jnp.ones((), jnp.float32))
-
-  def __call__(self, x, mask=None):  # x [B, N, E], mask [B, N] bool (True: a token to aggregate) -> [B, K, E]
-    x = x.astype(jnp.float32)
-    logits = self.fc2(jax.nn.gelu(self.fc1(self.norm(x)), approximate=False)) * self.scale[...]  # [B, N, K]
-    if mask is not None:
-      logits = jnp.where(mask[:, :, None], logits, -1e30)
-    weights = jax.nn.softmax(logits, axis=1)
-    return jnp.einsum("bnk,bne->bke", weights, x, precision=jax.lax.Precision.HIGHEST)
-
-
-def aggregators(cfg, rngs: nnx.Rngs) -> dict:
-  """The two FineLIP aggregation modules of `cfg` ({} when cfg.aggregate_tokens is 0)."""
-  if not cfg.aggregate_tokens:
-    return {}
-  hidden = int(cfg.aggregate_hidden_ratio * cfg.embed_dim)
-  return {name: TokenAggregation(cfg.embed_dim, cfg.aggregate_tokens, hidden, cfg.ln_eps, rngs=rngs)
-          for name in AGGREGATORS}
-
-
-AGGREGATORS = ("image_aggregator", "text_aggregator")
-
-
-def init_aggregators(cfg, seed: int) -> dict:
-  """Fresh aggregation-module parameters (pure dicts, keyed as in the model's params) for weights that lack them."""
-  mods = aggregators(cfg, nnx.Rngs(seed + 104729))
-  return {k: nnx.to_pure_dict(nnx.state(m, nnx.Param)) for k, m in mods.items()}
+def model_parts_function(path: str):
+  """CLIPConfig.parts ("package.module:function") -> the function that builds a framework's modules."""
+  module, _, attr = path.partition(":")
+  try:
+    fn = getattr(importlib.import_module(module), attr, None)
+  except ImportError as e:
+    raise ValueError(f"model.parts={path!r}: cannot import {module!r} ({e}); put its folder on PYTHONPATH") from None
+  if fn is None:
+    raise ValueError(f"model.parts={path!r}: {module} has no {attr!r}")
+  return fn
 
 
 def _l2_normalize(x):
@@ -407,8 +389,10 @@ class CLIP(nnx.Module):
     self.ln_final = nnx.LayerNorm(tw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
     self.text_projection = nnx.Param(normal(tw ** -0.5)(rngs.params(), (tw, cfg.embed_dim)))
     self.logit_scale = nnx.Param(jnp.asarray(math.log(1 / 0.07), jnp.float32))
-    for name, module in aggregators(cfg, nnx.Rngs(rngs.params())).items():
-      setattr(self, name, module)
+    if cfg.parts:
+      for name, module in model_parts_function(cfg.parts)(cfg, dict(cfg.part_settings),
+                                                          nnx.Rngs(rngs.params())).items():
+        setattr(self, name, module)
     if cfg.token_projection == "separate":
       self.visual_token_projection = nnx.Param(jnp.array(self.visual_projection[...]))
       self.text_token_projection = nnx.Param(jnp.array(self.text_projection[...]))
@@ -482,63 +466,40 @@ class CLIP(nnx.Module):
     """The multiplier s = exp(logit_scale). Not clamped here: the parameter is clamped after each update."""
     return jnp.exp(self.logit_scale[...].astype(jnp.float32))
 
-  def aggregate(self, img_tok, txt_tok, tokens):
-    """FineLIP's aggregated tokens from projected, unnormalised tower tokens (img_tok [B, 1+P, E] CLS first,
-    txt_tok [B, L, E]) -> (image [B, 1+K, E]: CLS then K aggregated patches; text [B, K+1, E]: K aggregated from
-    the start token through the last word, then the end-of-text token), L2-normalised per token, fp32."""
-    return self.aggregate_image(img_tok), self.aggregate_text(txt_tok, tokens)
-
-  def aggregate_image(self, img_tok):
-    agg = jnp.concatenate([img_tok[:, :1].astype(jnp.float32), self.image_aggregator(img_tok[:, 1:])], axis=1)
-    return _l2_normalize(agg)
-
-  def aggregate_text(self, txt_tok, tokens):
-    eot = self.eot_positions(tokens)
-    words = jnp.arange(tokens.shape[1])[None, :] < eot[:, None]  # start token .. last word (never empty)
-    eot_tok = jnp.take_along_axis(txt_tok, eot[:, None, None], axis=1).astype(jnp.float32)
-    return _l2_normalize(jnp.concatenate([self.text_aggregator(txt_tok, words), eot_tok], axis=1))
-
-  def encode_image_aggregated(self, pixels, token_layer: int = -1):  # [B, H, W, 3] -> [B, 1+K, E] (eval)
-    return self.aggregate_image(self.image_tower(pixels, token_layer)[1])
-
-  def encode_text_aggregated(self, tokens, token_layer: int = -1):  # [B, L] -> [B, K+1, E]
-    return self.aggregate_text(self.text_tower(tokens, token_layer)[1], tokens)
-
   def __call__(self, pixels, tokens, *, token_layer: int | None = None, image_cls_token: bool = False,
-               aggregate: bool = False, dropout_rng=None):
+               dropout_rng=None):
     """The training forward pass: pixels [B, H, W, 3], tokens [B, L] -> outputs dict (`forward`'s first half)."""
     return self.forward(pixels, tokens, token_layer=token_layer, image_cls_token=image_cls_token,
-                        aggregate=aggregate, dropout_rng=dropout_rng)[0]
+                        dropout_rng=dropout_rng)[0]
 
   def forward(self, pixels, tokens, *, token_layer: int | None = None, image_cls_token: bool = False,
-              aggregate: bool = False, dropout_rng=None):
+              dropout_rng=None):
     """The training forward pass: pixels [B, H, W, 3], tokens [B, L] -> (outputs dict, hidden).
 
     Always: "img", "txt" [B, E] L2-normalised fp32 and "scale" (s, a scalar: the only entry without a batch
     dimension). With `token_layer` (what a token-level loss term asks for): "img_tokens" [B, P, E] (P patches, or
     1+P with `image_cls_token`) and "txt_tokens" [B, L, E], L2-normalised per token, in the compute dtype, and
     "txt_mask" [B, L] bool, True on the real tokens (start through the first end-of-text, never padding).
-    With `aggregate` (FineLIP; needs token_layer too): "img_agg" [B, 1+K, E] and "txt_agg" [B, K+1, E] (`aggregate`).
     hidden: {"image": [B, 1+P, W], "text": [B, L, W]}, the towers' last-block outputs (before the final LayerNorm),
-    for a framework's terms that pool them (frameworks.Term.outputs; unused ones cost nothing once compiled).
+    and with `token_layer` "image_tokens" [B, 1+P, E] (CLS first) and "text_tokens" [B, L, E], the projected
+    tokens before normalisation, for a framework's terms that pool them (frameworks.Term.outputs; unused ones
+    cost nothing once compiled).
     dropout_rng: a key for the adapters' dropout (training); None (eval, and every model without it) is no dropout.
     The towers use its fold-ins 0 and 1; the built-in frameworks' passes 2 to 6.
     """
     img, img_tok, img_hidden = self._image_tower(pixels, token_layer, _key(dropout_rng, 0))
     txt, txt_tok, txt_hidden = self._text_tower(tokens, token_layer, _key(dropout_rng, 1))
     out = {"img": _l2_normalize(img), "txt": _l2_normalize(txt), "scale": self.scale()}
-    if aggregate:
-      if token_layer is None:
-        raise ValueError("aggregate=True needs token_layer (the tokens to aggregate)")
-      out["img_agg"], out["txt_agg"] = self.aggregate(img_tok, txt_tok, tokens)
+    hidden = {"image": img_hidden, "text": txt_hidden}
     if token_layer is not None:
+      hidden.update(image_tokens=img_tok, text_tokens=txt_tok)
       dt = jnp.dtype(self.cfg.dtype)
       if not image_cls_token:
         img_tok = img_tok[:, 1:]
       out["img_tokens"] = _l2_normalize(img_tok).astype(dt)
       out["txt_tokens"] = _l2_normalize(txt_tok).astype(dt)
       out["txt_mask"] = jnp.arange(tokens.shape[1])[None, :] <= self.eot_positions(tokens)[:, None]
-    return out, {"image": img_hidden, "text": txt_hidden}
+    return out, hidden
 
 
 def split_params(model: CLIP):

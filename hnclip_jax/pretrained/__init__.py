@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnclip_jax import workdir as workdir_format
+from hnclip_jax import frameworks, workdir as workdir_format
 from hnclip_jax.data import pipeline
 from hnclip_jax.models import CLIPConfig, abstract_model, bind
 from hnclip_jax.pretrained import weights
@@ -157,7 +157,7 @@ def _load_workdir(path: str, step: int | None = None) -> Pretrained:
   ckpt = wd.checkpointer(read_only=True)
   step = steps[-1] if step is None else step
   meta = ckpt.read_meta(step)
-  cfg = CLIPConfig.from_dict(meta["model"]).validate()
+  cfg = CLIPConfig.from_dict(frameworks.upgrade_model_dict(meta["model"])).validate()
   _, abstract = abstract_model(cfg)
   params = ckpt.restore_params(step, jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
