@@ -211,21 +211,16 @@ def adapter_fields(config) -> dict:
   ft = config.finetune
   if ft.method not in FINETUNE_METHODS:
     raise ValueError(f"config.finetune.method={ft.method!r}; choose one of {sorted(FINETUNE_METHODS)}")
+  if ft.method == "full":
+    check_unused_adapter_settings(config)
+    return {"adapter": "none"}
   if not 0 <= float(ft.dropout) < 1:
     raise ValueError(f"config.finetune.dropout={ft.dropout!r} must be in [0, 1)")
   targets = [ft.targets] if isinstance(ft.targets, str) else list(ft.targets)
-  if ft.method != "full" and not targets:
+  if not targets:
     raise ValueError("config.finetune.targets is empty: name the layers to adapt, e.g. ('attn/(q|v)$',)")
-  if ft.method != "full" and (int(ft.rank) <= 0 or float(ft.alpha) <= 0):
+  if int(ft.rank) <= 0 or float(ft.alpha) <= 0:
     raise ValueError(f"config.finetune.rank={ft.rank} and alpha={ft.alpha} must be positive")
-  if ft.method == "full":
-    defaults = base_config().finetune
-    unused = [f"config.finetune.{k}={ft[k]!r}" for k in ADAPTER_SETTINGS
-              if _normalised(ft[k]) != _normalised(defaults[k])]
-    if unused:  # a setting that would silently do nothing
-      raise ValueError(f"{', '.join(unused)} set, but config.finetune.method='full' trains every weight and adds no "
-                       "adapters: these apply only with method 'lora' or 'dora'. Set the method, or drop them")
-    return {"adapter": "none"}
   detach = bool(ft.get("dora_detach_norm", False))
   if detach and ft.method != "dora":
     raise ValueError(f"config.finetune.dora_detach_norm=True set, but config.finetune.method={ft.method!r}: it "
@@ -233,6 +228,15 @@ def adapter_fields(config) -> dict:
   return {"adapter": FINETUNE_METHODS[ft.method], "adapter_rank": int(ft.rank), "adapter_alpha": float(ft.alpha),
           "adapter_targets": "|".join(f"(?:{t})" for t in targets), "adapter_dropout": float(ft.dropout),
           "adapter_detach_norm": detach}
+
+
+def check_unused_adapter_settings(config) -> None:
+  """With config.finetune.method='full' the adapters' settings would silently do nothing: refused by name."""
+  ft, defaults = config.finetune, base_config().finetune
+  unused = [f"config.finetune.{k}={ft[k]!r}" for k in ADAPTER_SETTINGS if _normalised(ft[k]) != _normalised(defaults[k])]
+  if unused:
+    raise ValueError(f"{', '.join(unused)} set, but config.finetune.method='full' trains every weight and adds no "
+                     "adapters: these apply only with method 'lora' or 'dora'. Set the method, or drop them")
 
 
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

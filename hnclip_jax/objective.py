@@ -37,6 +37,11 @@ from hnclip_jax.frameworks.base import Context
 GLOBAL_OUTPUTS = ("scale",)
 
 
+# config.loss keys of the token term (all Objective fields of the same name): their type and default.
+TOKEN_FIELDS = {"token_layer": (int, -1), "token_image_cls": (bool, False), "token_logit_scale": (float, 0.0),
+                "token_margin": (bool, False), "token_schedule": (str, "gather")}
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
   """w_g·L_HN(γ) + λ·L_tok + the framework's terms. Fields mirror config.loss (hnclip_jax/config.py,
@@ -56,11 +61,13 @@ class Objective:
 
   @classmethod
   def from_config(cls, loss_cfg, config=None) -> "Objective":
-    """From config.loss; with the whole `config`, also config.framework's terms (hnclip_jax.frameworks)."""
-    obj = cls(gamma=float(loss_cfg.gamma), token_weight=float(loss_cfg.token_weight),
-              chunk_size=int(loss_cfg.chunk_size), token_layer=int(loss_cfg.token_layer),
-              token_image_cls=bool(loss_cfg.token_image_cls), token_logit_scale=float(loss_cfg.token_logit_scale),
-              token_margin=bool(loss_cfg.token_margin), token_schedule=str(loss_cfg.get("token_schedule", "gather")))
+    """From config.loss; with the whole `config`, also config.framework's terms (hnclip_jax.frameworks). The token
+    term's settings are read only when it is on, or when the framework reads them itself (its LOSS_SETTINGS);
+    otherwise they keep their defaults (config.validate refuses them changed)."""
+    token_weight = float(loss_cfg.token_weight)
+    read = TOKEN_FIELDS if token_weight > 0 else (frameworks.loss_settings(config) if config is not None else ())
+    token = {k: cast(loss_cfg.get(k, default)) for k, (cast, default) in TOKEN_FIELDS.items() if k in read}
+    obj = cls(gamma=float(loss_cfg.gamma), token_weight=token_weight, chunk_size=int(loss_cfg.chunk_size), **token)
     if config is not None:
       obj = frameworks.objective_for(config, obj)
     return obj

@@ -29,7 +29,7 @@ SPLIT = {"test_reliability", "test_multihost", "test_benchmarks", "test_compile_
 # The inner loop (`python -m pytest -m quick tests`, docs/testing.md): the loss, objective, sharding-equivalence,
 # config and data checks that most changes touch.
 QUICK = {"test_losses", "test_objective", "test_model", "test_data", "test_workdir", "test_retrieval",
-         "sharded_checks.core", "sharded_checks.token", "test_train_eval.config"}
+         "test_settings", "sharded_checks.core", "sharded_checks.token", "test_train_eval.config"}
 
 
 def group_of(item) -> str:
