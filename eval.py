@@ -101,6 +101,7 @@ def main(argv):
     benchmarks = bench_lib.resolve(config, FLAGS.benchmarks, order=list(FLAGS.config.eval.benchmarks))
   else:
     benchmarks = [bench_lib.own_data(config, FLAGS.split or config.data.eval_split)]
+  config = config_lib.freeze(config)  # the resolved run: read from here on, never changed
   for b in benchmarks:
     builders.check_data_config(b.data)
   cli.enable_compilation_cache(config.compilation_cache_dir)

@@ -67,7 +67,7 @@ def main(argv):
   eval_source = builders.data_source(config.data, config.data.eval_split)
   if wd.data() is None:
     wd.save_data(config.data)
-  config = experiment.resolve_epoch_settings(config, len(train_source))
+  config = config_lib.freeze(experiment.resolve_epoch_settings(config, len(train_source)))  # the resolved run
   model_cfg, tokenizer, init_from_params = experiment.resolve_model(config, wd, training=True)
   train_step.check_model(config, model_cfg, mesh, rules)
   log(experiment.truncation_report(config, tokenizer))

@@ -239,6 +239,12 @@ def check_unused_adapter_settings(config) -> None:
                      "adapters: these apply only with method 'lora' or 'dora'. Set the method, or drop them")
 
 
+def freeze(config) -> ml_collections.FrozenConfigDict:
+  """The resolved run (validated, its data and epoch-given settings resolved): from here on the code reads it and
+  nothing changes it (train.py, eval.py)."""
+  return ml_collections.FrozenConfigDict(config)
+
+
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Raises ValueError naming the offending key/value and the fix; returns the config unchanged."""
   known, given = flatten(base_config()), flatten(config)
