@@ -413,6 +413,12 @@ def test_finelip_trains_resumes_bit_identically_and_evaluates(tmp_path, tfds_dir
   with open(os.path.join(workdir, "eval_results.json")) as f:
     fine = json.load(f)
   assert fine["score"] == "finelip" and fine["num_pairs"] == 40
+  # Export: the towers in Hugging Face's format; the aggregators, which it has no place for, named as left out.
+  from hnclip_jax import pretrained
+  from hnclip_jax.pretrained import export
+  warnings = export.export_hf(pretrained.load(workdir), str(tmp_path / "hf"))
+  assert len(warnings) == 1 and "['image_aggregator', 'text_aggregator']" in warnings[0]
+  assert os.path.exists(tmp_path / "hf" / "model.safetensors")
   assert all(0 <= fine[d][k] <= 100 for d in ("t2i", "i2t") for k in fine[d])
   # A model without aggregators cannot be ranked with FineLIP's score: a named error.
   plain = str(tmp_path / "plain")

@@ -20,6 +20,7 @@ heads, the end token = the last id); a model outside them is refused with the re
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -107,6 +108,19 @@ def hf_config_dict(cfg) -> dict:
   }
 
 
+def parts_left_out(model) -> list[str]:
+  """A warning naming a framework's own modules (CLIPConfig.parts, e.g. token aggregators): neither format has a
+  place for them, so the export holds the towers only ([] for a model without parts)."""
+  if not model.config.parts:
+    return []
+  from hnclip_jax.models import abstract_model
+  towers = set(abstract_model(dataclasses.replace(model.config, parts="", part_settings=()))[1])
+  extra = sorted(k for k in model.params if k not in towers)
+  return [f"the model's framework modules {extra} ({model.config.parts}) have no place in this format and were left "
+          "out: the export holds the towers, so cosine retrieval is the model's; a framework score (eval.py "
+          "--score) needs the workdir or pretrained.load of it"]
+
+
 def export_hf(model, out_dir: str) -> list[str]:
   """Writes the Hugging Face directory; returns warnings (what could not be exported)."""
   from safetensors.numpy import save_file
@@ -123,7 +137,7 @@ def export_hf(model, out_dir: str) -> list[str]:
                "do_convert_rgb": True}, f, indent=2)
   tok = model.tokenizer
   if tok is None:
-    return [f"{model.source} has no tokenizer files (vocab.json + merges.txt, tokenizer.json or "
+    return parts_left_out(model) + [f"{model.source} has no tokenizer files (vocab.json + merges.txt, tokenizer.json or "
             f"bpe_simple_vocab_16e6.txt.gz): {out_dir} has the weights, config.json and preprocessor_config.json "
             "only; copy the tokenizer files the model was trained with next to them"]
   if tok.kind == "clip_bpe":
@@ -135,11 +149,11 @@ def export_hf(model, out_dir: str) -> list[str]:
     tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SOT, "eos_token": EOT,
                   "unk_token": UNK, "pad_token": PAD, "padding_side": "right", "truncation_side": "right"}
   else:
-    return [f"the model's tokenizer is of kind {tok.kind!r}, which has no Hugging Face export: no tokenizer files "
-            "were written"]
+    return parts_left_out(model) + [f"the model's tokenizer is of kind {tok.kind!r}, which has no Hugging Face "
+                                    "export: no tokenizer files were written"]
   with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
     json.dump({**tok_config, "model_max_length": model.config.text_context}, f, indent=2)
-  return []
+  return parts_left_out(model)
 
 
 def _word_tokenizer_json(tok, path: str) -> None:
@@ -226,10 +240,10 @@ def export_openai(model, out_file: str) -> list[str]:
   os.replace(tmp, out_file)
   tok = model.tokenizer
   if tok is not None and tok.kind != "clip_bpe":
-    return [f"the model's tokenizer is {tok.kind!r} (fitted on the training captions), not CLIP's BPE; the OpenAI "
+    return parts_left_out(model) + [f"the model's tokenizer is {tok.kind!r} (fitted on the training captions), not CLIP's BPE; the OpenAI "
             "format stores no tokenizer, and OpenAI/Long-CLIP code tokenizes with CLIP's BPE, which does not match "
             "these weights. Use --format=hf, which writes the tokenizer"]
-  return []
+  return parts_left_out(model)
 
 
 @clean_errors
