@@ -233,7 +233,8 @@ def adapter_fields(config) -> dict:
 def check_unused_adapter_settings(config) -> None:
   """With config.finetune.method='full' the adapters' settings would silently do nothing: refused by name."""
   ft, defaults = config.finetune, base_config().finetune
-  unused = [f"config.finetune.{k}={ft[k]!r}" for k in ADAPTER_SETTINGS if _normalised(ft[k]) != _normalised(defaults[k])]
+  unused = [f"config.finetune.{k}={ft[k]!r}" for k in ADAPTER_SETTINGS
+            if _normalised(ft[k]) != _normalised(defaults[k])]
   if unused:
     raise ValueError(f"{', '.join(unused)} set, but config.finetune.method='full' trains every weight and adds no "
                      "adapters: these apply only with method 'lora' or 'dora'. Set the method, or drop them")

@@ -50,8 +50,8 @@ class BadExample(ValueError):
   pass
 
 
-# Per-example segments (GOAL, StructXLIP): a region box of the image in original-image pixels [x0, y0, x1, y1]
-# (x right, y down), the caption sentence that describes it, and how well they match (a cosine from
+# Per-example segments (region annotations, read by the frameworks that use regions: docs/frameworks.md): a region
+# box of the image in original-image pixels [x0, y0, x1, y1] (x right, y down), the caption sentence that describes it, and how well they match (a cosine from
 # tools/match_segments, 1.0 for exact ones). Stored as a sequence: {"box": [n, 4], "sentence": [n], "score": [n]}.
 SEGMENTS_FEATURE = tfds.features.Sequence({"box": tfds.features.Tensor(shape=(4,), dtype=np.float32),
                                            "sentence": tfds.features.Text(), "score": np.float32})
@@ -286,7 +286,7 @@ def dci_segments(mask_data, where: str) -> list:
 
 class HnclipDci(_ManualPairs):
   """DCI: Densely Captioned Images (Meta, 2024); the caption of each image is its `extra_caption`. Its masks are the
-  segments (`dci_segments`: each mask's bounds and its own caption) for GOAL and StructXLIP."""
+  segments (`dci_segments`: each mask's bounds and its own caption), for the frameworks that read regions."""
 
   VERSION = tfds.core.Version("1.1.0")
   RELEASE_NOTES = {"1.1.0": "segments from DCI's masks (bounds, 'label: caption')"}
@@ -405,8 +405,8 @@ Put pairs.json (a JSON list) or pairs.jsonl (one object per line) in MANUAL_DIR;
 An image with several captions (COCO, Flickr30k) has either one entry with "captions": ["...", "..."] or one entry
 per caption repeating its "filename" (both may be mixed; captions keep their order). "split" is optional
 (default "train"); an image belongs to one split. Images must be JPEG or PNG.
-Segments (for config.framework="goal" / "structxlip"): an entry may carry "segments": [{"box": [x0, y0, x1, y1],
-"sentence": "...", "score": 0.31}, ...] with the box in original-image pixels (x right, y down), the caption
+Segments (region annotations for the frameworks that read them, docs/frameworks.md): an entry may carry
+"segments": [{"box": [x0, y0, x1, y1], "sentence": "...", "score": 0.31}, ...] with the box in original-image pixels (x right, y down), the caption
 sentence that describes it and, optionally, a match score (default 1.0; the best-scoring segment is used).
 python -m hnclip_jax.tools.match_segments writes this field from any segmenter's boxes (docs/frameworks.md). When
 any entry has segments, every image must have the field ("segments": [] for an image with none)."""

@@ -139,8 +139,8 @@ def render_with_boxes(scene, image_size, rng):
 def generate(num_examples: int, group_size: int, image_size: int, seed: int, captions: str = "dense"):
   """Yields (image_id, png_bytes, caption, group_id, segments) for `num_examples` scenes, deterministic in `seed`;
   captions "dense" (`caption`) or "short" (`short_caption`). segments: one per object, {"box": its exact bounding
-  box in pixels, "sentence": `object_sentence` (a sentence of the dense caption), "score": 1.0} (GOAL's and
-  StructXLIP's segments, exact rather than matched)."""
+  box in pixels, "sentence": `object_sentence` (a sentence of the dense caption), "score": 1.0} (the region
+  annotations frameworks read, docs/frameworks.md; exact rather than matched)."""
   if num_examples <= 0 or group_size <= 0 or image_size <= 0:
     raise ValueError(f"synthetic data sizes must be positive, got num_examples={num_examples}, "
                      f"group_size={group_size}, image_size={image_size}")

@@ -99,7 +99,8 @@ def recall_at_k(img_emb, txt_emb, ks=(1, 5, 10), chunk: int = 1024, caption_imag
 def recall_from_scores(scores, caption_image=None, ks=(1, 5, 10)):
   """Recall@K from a score matrix: scores [N_cap, N_img] (caption c vs image i; higher ranks first), caption_image as
   in `recall_at_k`. Ties count against the ground truth, as there. For scores that are not a dot product of
-  embeddings (a framework's score, e.g. late interaction of tokens); the matrix is held in host memory (4·N_cap·N_img bytes)."""
+  embeddings (a framework's score, e.g. late interaction of tokens); the matrix is held in host memory
+  (4·N_cap·N_img bytes)."""
   scores = np.asarray(scores, np.float64)
   check_finite(**{"caption rows of the score matrix": scores})
   n_cap, n_img = scores.shape

@@ -4,9 +4,9 @@ crops, with per-epoch weight factors, added to L_HN.
 
 This module holds all of StructXLIP: its config block (`config.structxlip`) and checks, its per-example inputs
 (`inputs`, `input_specs`; edge maps and chunks are made by `structure_inputs` with
-hnclip_jax/frameworks/structure.py), its model outputs (`StructXLIPTerm.outputs`: the towers over the edge maps, crops and
-structure caption, and `pool_chunks`), its loss term and its logit-scale clamp; docs/frameworks.md describes the
-method."""
+hnclip_jax/frameworks/structure.py), its model outputs (`StructXLIPTerm.outputs`: the towers over the edge maps,
+crops and structure caption, and `pool_chunks`), its loss term and its logit-scale clamp; docs/frameworks.md
+describes the method."""
 from __future__ import annotations
 
 import dataclasses

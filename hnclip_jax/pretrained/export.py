@@ -137,9 +137,10 @@ def export_hf(model, out_dir: str) -> list[str]:
                "do_convert_rgb": True}, f, indent=2)
   tok = model.tokenizer
   if tok is None:
-    return parts_left_out(model) + [f"{model.source} has no tokenizer files (vocab.json + merges.txt, tokenizer.json or "
-            f"bpe_simple_vocab_16e6.txt.gz): {out_dir} has the weights, config.json and preprocessor_config.json "
-            "only; copy the tokenizer files the model was trained with next to them"]
+    return parts_left_out(model) + [
+        f"{model.source} has no tokenizer files (vocab.json + merges.txt, tokenizer.json or "
+        f"bpe_simple_vocab_16e6.txt.gz): {out_dir} has the weights, config.json and preprocessor_config.json "
+        "only; copy the tokenizer files the model was trained with next to them"]
   if tok.kind == "clip_bpe":
     tok._tok.model.save(out_dir)  # vocab.json + merges.txt, the files transformers' CLIPTokenizer reads
     tok_config = {"tokenizer_class": "CLIPTokenizer", "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>",
@@ -240,9 +241,10 @@ def export_openai(model, out_file: str) -> list[str]:
   os.replace(tmp, out_file)
   tok = model.tokenizer
   if tok is not None and tok.kind != "clip_bpe":
-    return parts_left_out(model) + [f"the model's tokenizer is {tok.kind!r} (fitted on the training captions), not CLIP's BPE; the OpenAI "
-            "format stores no tokenizer, and OpenAI/Long-CLIP code tokenizes with CLIP's BPE, which does not match "
-            "these weights. Use --format=hf, which writes the tokenizer"]
+    return parts_left_out(model) + [
+        f"the model's tokenizer is {tok.kind!r} (fitted on the training captions), not CLIP's BPE; the OpenAI "
+        "format stores no tokenizer, and OpenAI/Long-CLIP code tokenizes with CLIP's BPE, which does not match "
+        "these weights. Use --format=hf, which writes the tokenizer"]
   return parts_left_out(model)
 
 

@@ -1,8 +1,9 @@
-"""Pair region boxes with the caption sentences they show, by a CLIP model's own similarity (GOAL's matching step).
+"""Pair region boxes with the caption sentences they show, by a CLIP model's own similarity (the matching step of
+region-based fine-tuning).
 
   python -m hnclip_jax.tools.match_segments --model PATH --manual_dir DIR --boxes BOXES.json --out SEGMENTS.json
 
-GOAL and StructXLIP train on segments: a box of the image and the sentence of its long caption that describes it.
+Region-based frameworks train on segments: a box of the image and the sentence of its long caption that describes it.
 Boxes come from any segmenter run offline (SAM in the papers: each mask's bounding box; SAM is not run here).
 BOXES.json is the `pairs` layout (a JSON list, docs in hnclip_jax/data/manual.py HnclipPairs) whose entries carry
 "boxes": [[x0, y0, x1, y1], ...] in original-image pixels (x right, y down; x1 > x0, y1 > y0). This tool splits each
