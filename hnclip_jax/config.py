@@ -279,6 +279,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   check_token_settings(config)
   if config.on_nonfinite not in ("error", "skip"):
     raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; choose 'error' or 'skip'")
+  if int(config.grad_accum_steps) == 1 and config.loss.negatives != base_config().loss.negatives:
+    raise ValueError(f"config.loss.negatives={config.loss.negatives!r} does not apply: with config.grad_accum_steps=1 "
+                     "the micro-batch is the global batch. Set config.grad_accum_steps > 1, or drop it")
   if not config.async_checkpointing and config.checkpoint_overlap_steps != base_config().checkpoint_overlap_steps:
     raise ValueError(f"config.checkpoint_overlap_steps={config.checkpoint_overlap_steps} does not apply: "
                      "config.async_checkpointing=False writes each checkpoint before training goes on. Drop one")

@@ -139,3 +139,18 @@ def test_every_setting_is_read_or_refused(framework):
         continue
       silent.append(f"{method}: config.{key}")
   assert not silent, f"config.framework={framework!r}: accepted but never read: {silent}"
+
+
+def test_settings_that_only_apply_with_another_setting_are_refused():
+  """Read, but of no effect without another setting: refused naming both (config.validate)."""
+  c = config_lib.base_config()
+  c.loss.negatives = "micro_batch"  # one micro-batch: the same step as "global_batch"
+  with pytest.raises(ValueError, match=r"config.loss.negatives='micro_batch' does not apply: with "
+                                       r"config.grad_accum_steps=1"):
+    config_lib.validate(c)
+  c.grad_accum_steps = 2
+  config_lib.validate(c)
+  c = config_lib.base_config()
+  c.async_checkpointing, c.checkpoint_overlap_steps = False, 3
+  with pytest.raises(ValueError, match=r"config.checkpoint_overlap_steps=3 does not apply"):
+    config_lib.validate(c)
