@@ -254,6 +254,7 @@ def check_model(config, model_cfg, mesh, rules) -> None:
   """The mesh- and model-dependent checks of a run (before anything compiles); raise naming the config key."""
   sharding.check_model_fits(model_cfg, mesh, rules)
   Objective.from_config(config.loss, config).check(model_cfg)
+  frameworks.input_specs(config, model_cfg)  # its input names
 
 
 def build_program(config, model_cfg, mesh, rules) -> Program:
@@ -277,8 +278,6 @@ def abstract_batch(config, model_cfg, mesh) -> dict:
   b, s, l = config.batch_size, model_cfg.image_size, model_cfg.text_context
   batch = {"image": jax.ShapeDtypeStruct((b, s, s, 3), jnp.float32, sharding=sh),
            "tokens": jax.ShapeDtypeStruct((b, l), jnp.int32, sharding=sh)}
-  specs = frameworks.hook(config, "input_specs")  # a framework's own inputs (frameworks: `inputs`)
-  if specs is not None:
-    for name, (shape, dtype) in specs(config, model_cfg).items():
-      batch[name] = jax.ShapeDtypeStruct((b, *shape), jnp.dtype(dtype), sharding=sh)
+  for name, (shape, dtype) in frameworks.input_specs(config, model_cfg).items():  # a framework's own inputs
+    batch[name] = jax.ShapeDtypeStruct((b, *shape), jnp.dtype(dtype), sharding=sh)
   return batch

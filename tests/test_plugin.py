@@ -49,6 +49,20 @@ def test_an_outside_framework_is_loaded_checked_and_reaches_the_batch():
   batch = train_step.abstract_batch(c, model_cfg, mesh)
   assert batch["pa_weight"].shape == (16,) and batch["pa_weight"].dtype == np.float32
   assert batch["pa_weight"].sharding == batch["tokens"].sharding
+  # Its inputs may not take a core batch entry's name: refused before compiling and in the pipeline.
+  import patch_align
+  from hnclip_jax.data import pipeline
+  clash = staticmethod(lambda config, model_cfg: {"tokens": ((77,), "int32")})
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(patch_align.PatchAlign, "input_specs", clash)
+    with pytest.raises(ValueError, match=r"config.framework='patch_align:PatchAlign': its inputs \['tokens'\] have "
+                                         r"the names of the core's batch entries \['image', 'tokens', 'index'\]"):
+      train_step.check_model(c, model_cfg, mesh, sharding.parse_rules(c.mesh.rules))
+  from hnclip_jax.data.tokenizer import WordTokenizer
+  pre = pipeline._Preprocess(WordTokenizer.fit(["a cat"], context_length=8), 8,
+                             extra=lambda ex, text, pixels, seed, step, index: {"index": np.int64(7)})
+  with pytest.raises(ValueError, match=r"per-example inputs \['index'\] have the names of the core's batch"):
+    pre.map({"image": np.zeros((8, 8, 3), np.uint8), "caption": b"a cat"})
   # Its settings block: defaults apply without one (--config.framework=... on the command line), unknown keys and
   # negative weights are refused by name, like the built-in frameworks'.
   bare = config_lib.base_config()

@@ -56,6 +56,10 @@ def caption_choice(seed: int, step: int, index: int, num_captions: int) -> int:
   return int(np.random.default_rng([seed, step, index]).integers(num_captions))
 
 
+# The core's entries of a training batch; a framework's own inputs (`extra`) take other names.
+BATCH_KEYS = ("image", "tokens", "index")
+
+
 class _Preprocess(grain.transforms.Map):
 
   def __init__(self, tokenizer, image_size, extra=None):
@@ -66,7 +70,12 @@ class _Preprocess(grain.transforms.Map):
     pixels = resize_center_crop(ex["image"], self.image_size)
     out = {"image": normalize(pixels), "tokens": self.tokenizer([text])[0]}
     if self.extra is not None:  # a framework's own per-example inputs (frameworks: `inputs`)
-      out.update(self.extra(ex, text, pixels, seed, step, index))
+      extra = self.extra(ex, text, pixels, seed, step, index)
+      clash = sorted(set(extra) & set(BATCH_KEYS))
+      if clash:
+        raise ValueError(f"the framework's per-example inputs {clash} have the names of the core's batch entries "
+                         f"{list(BATCH_KEYS)}; rename them (its `inputs` and `input_specs`)")
+      out.update(extra)
     return out
 
 

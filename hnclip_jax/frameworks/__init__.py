@@ -36,6 +36,7 @@ import importlib
 
 import ml_collections
 
+from hnclip_jax.data.pipeline import BATCH_KEYS
 from hnclip_jax.frameworks.base import Context, Score, Term
 
 # config.framework -> the module of a built-in framework ("longclip": L_HN alone, no module).
@@ -140,6 +141,18 @@ def hook(config, name: str):
   return None if fw is None else getattr(fw, name, None)
 
 
+def input_specs(config, model_cfg) -> dict:
+  """The chosen framework's per-example inputs {name: (shape without the batch dimension, dtype)} ({} for none);
+  raises when one takes the name of a core batch entry (image, tokens, index)."""
+  specs = hook(config, "input_specs")
+  specs = {} if specs is None else dict(specs(config, model_cfg))
+  clash = sorted(set(specs) & set(BATCH_KEYS))
+  if clash:
+    raise ValueError(f"config.framework={check_name(config)!r}: its inputs {clash} have the names of the core's "
+                     f"batch entries {list(BATCH_KEYS)}; rename them (its `inputs` and `input_specs`)")
+  return specs
+
+
 def loss_settings(config) -> tuple:
   """config.loss keys the chosen framework reads even with the token term off (its `LOSS_SETTINGS`)."""
   fw = resolve(check_name(config))
@@ -186,5 +199,5 @@ def objective_for(config, obj):
 
 
 __all__ = ["Context", "REGISTRY", "Score", "Term", "block_name", "blocks", "check_name", "external_block", "hook",
-           "loss_settings", "model_fields", "objective_for", "resolve", "score", "settings", "upgrade_model_dict",
+           "input_specs", "loss_settings", "model_fields", "objective_for", "resolve", "score", "settings", "upgrade_model_dict",
            "use"]
