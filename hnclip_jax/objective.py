@@ -31,15 +31,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from hnclip_jax import frameworks, losses, sharding
+from hnclip_jax.config import TOKEN_SETTINGS
 from hnclip_jax.frameworks.base import Context
 
 # Outputs without a batch dimension (everything else in an outputs dict is [B, ...]).
 GLOBAL_OUTPUTS = ("scale",)
-
-
-# config.loss keys of the token term (all Objective fields of the same name): their type and default.
-TOKEN_FIELDS = {"token_layer": (int, -1), "token_image_cls": (bool, False), "token_logit_scale": (float, 0.0),
-                "token_margin": (bool, False), "token_schedule": (str, "gather")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +61,8 @@ class Objective:
     term's settings are read only when it is on, or when the framework reads them itself (its LOSS_SETTINGS);
     otherwise they keep their defaults (config.validate refuses them changed)."""
     token_weight = float(loss_cfg.token_weight)
-    read = TOKEN_FIELDS if token_weight > 0 else (frameworks.loss_settings(config) if config is not None else ())
-    token = {k: cast(loss_cfg.get(k, default)) for k, (cast, default) in TOKEN_FIELDS.items() if k in read}
+    read = TOKEN_SETTINGS if token_weight > 0 else (frameworks.loss_settings(config) if config is not None else ())
+    token = {f.name: type(f.default)(loss_cfg[f.name]) for f in dataclasses.fields(cls) if f.name in read}
     obj = cls(gamma=float(loss_cfg.gamma), token_weight=token_weight, chunk_size=int(loss_cfg.chunk_size), **token)
     if config is not None:
       obj = frameworks.objective_for(config, obj)

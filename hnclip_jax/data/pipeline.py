@@ -38,15 +38,16 @@ def normalize(image: np.ndarray) -> np.ndarray:
   return (np.asarray(image, np.float32) / 255.0 - CLIP_MEAN) / CLIP_STD
 
 
-def _text(c) -> str:
+def text_of(c) -> str:
+  """A caption / sentence field (bytes from TFDS, or str) -> str."""
   return c.decode("utf-8") if isinstance(c, bytes) else str(c)
 
 
 def captions_of(ex) -> list[str]:
   """An example's captions: several for datasets with a `captions` list (the `pairs` layout), else one."""
   if "captions" in ex:
-    return [_text(c) for c in ex["captions"]]
-  return [_text(ex["caption"])]
+    return [text_of(c) for c in ex["captions"]]
+  return [text_of(ex["caption"])]
 
 
 def caption_choice(seed: int, step: int, index: int, num_captions: int) -> int:

@@ -199,5 +199,5 @@ def objective_for(config, obj):
 
 
 __all__ = ["Context", "REGISTRY", "Score", "Term", "block_name", "blocks", "check_name", "external_block", "hook",
-           "input_specs", "loss_settings", "model_fields", "objective_for", "resolve", "score", "settings", "upgrade_model_dict",
-           "use"]
+           "input_specs", "loss_settings", "model_fields", "objective_for", "resolve", "score", "settings",
+           "upgrade_model_dict", "use"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hnclip_jax.data import builders
+from hnclip_jax.data import builders, pipeline
 
 
 def check_segments(config) -> str:
@@ -19,17 +19,13 @@ def check_segments(config) -> str:
           "terms)")
 
 
-def _text(c) -> str:
-  return c.decode("utf-8") if isinstance(c, bytes) else str(c)
-
-
 def segments_of(ex) -> list[dict]:
   """An example's segments as [{"box": [4] float, "sentence": str, "score": float}] ([] when it has none)."""
   seg = ex.get("segments")
   if seg is None or not len(seg["sentence"]):
     return []
   boxes = np.asarray(seg["box"], np.float32).reshape(-1, 4)
-  return [{"box": boxes[j], "sentence": _text(seg["sentence"][j]), "score": float(seg["score"][j])}
+  return [{"box": boxes[j], "sentence": pipeline.text_of(seg["sentence"][j]), "score": float(seg["score"][j])}
           for j in range(len(boxes))]
 
 
