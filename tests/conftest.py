@@ -111,11 +111,20 @@ def run_processes(args, *, num_processes: int, devices_per_process: int, timeout
   return collect_processes(procs, args, timeout=timeout)
 
 
-def run_py(args, *, devices: int = 1, timeout: int = 600, check: bool = True, env_extra=None):
-  """Runs `python ARGS` from the repo root in a fresh process with `devices` fake CPU devices."""
-  env = _env(devices, env_extra)
-  proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=timeout)
+IN_PROCESS = ("train.py", "eval.py")
+
+
+def run_py(args, *, devices: int = 1, timeout: int = 600, check: bool = True, env_extra=None, fresh: bool = False):
+  """Runs `python ARGS` from the repo root with `devices` fake CPU devices. A one-device `train.py` / `eval.py` run
+  with no environment changes runs in this process (`run_entry`: the same flag parser and main, without a fresh
+  interpreter and JAX import, which cost more than such a run); anything else, or `fresh=True`, in a fresh process.
+  """
+  if not fresh and devices == 1 and not env_extra and args and args[0] in IN_PROCESS:
+    proc = run_entry(args[0], args[1:])
+  else:
+    env = _env(devices, env_extra)
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
   if check and proc.returncode != 0:
     raise AssertionError(f"python {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                          f"{proc.stderr[-6000:]}")
@@ -258,14 +267,18 @@ def _entry_flags(script: str):
 
 
 def run_entry(script: str, args) -> subprocess.CompletedProcess:
-  """`python SCRIPT ARGS` in this process, up to its exit: returns its exit code (0 when main returns), stdout and
-  stderr. For runs that stop before building data or compiling (the error paths)."""
+  """`python SCRIPT ARGS` in this process (one device), up to its exit: returns its exit code (0 when main returns),
+  stdout and stderr. The error paths and one-device runs (`run_py`); JAX's persistent-cache setting, which the run
+  changes, is restored afterwards."""
   import io
   from absl import flags
   from hnclip_jax import storage
   out, err, code = io.StringIO(), io.StringIO(), 0
-  argv, saved_argv = [script, *map(str, args)], sys.argv
+  argv, saved_argv, saved_cwd = [script, *map(str, args)], sys.argv, os.getcwd()
+  cache = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
+                                               "jax_persistent_cache_min_compile_time_secs")}
   sys.argv = argv  # ml_collections reads the --config.* overrides from sys.argv
+  os.chdir(ROOT)  # relative paths as `python SCRIPT` from the repo root sees them
   with _entry_flags(script) as module, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     flags.FLAGS.unparse_flags()
     try:
@@ -274,5 +287,8 @@ def run_entry(script: str, args) -> subprocess.CompletedProcess:
       code = e.code if isinstance(e.code, int) else 1
     finally:
       sys.argv = saved_argv
+      os.chdir(saved_cwd)
       storage.stop_debug_log()
+      for k, v in cache.items():
+        jax.config.update(k, v)
   return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())

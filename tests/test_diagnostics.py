@@ -1,6 +1,7 @@
 """Saturation telemetry, caption-geometry report and the replication script."""
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from jax.sharding import Mesh
 from hnclip_jax import diagnostics, losses
 from hnclip_jax.objective import Objective, embedding_outputs
 from hnclip_jax.tools.caption_geometry import bucket_shares, similarity_stats
-from conftest import run_py
+from conftest import ROOT, run_entry, run_py
 
 MESH = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
 
@@ -68,11 +69,38 @@ def test_similarity_stats_and_buckets():
                                   ">=0.95": 1 / 3})
 
 
+def load_replicate():
+  """benchmarks/replicate.py as a module."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("replicate", os.path.join(ROOT, "benchmarks", "replicate.py"))
+  rep = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(rep)
+  return rep
+
+
 @pytest.fixture(scope="module")
 def replication(tmp_path_factory, tfds_dir):
+  """`python benchmarks/replicate.py --quick ...`: its main in this process, its train.py runs too (through
+  conftest.run_entry, the flag parser and main `python train.py` runs, instead of `replicate.run`'s subprocess:
+  seven fresh interpreters and JAX imports saved); the caption-geometry runs are subprocesses as in the script.
+  The script as a real process is run below (another regime for the same --out)."""
   out = tmp_path_factory.mktemp("replication")
-  run_py(["benchmarks/replicate.py", "--quick", "--out", str(out), "--seeds", "0", "--gammas", "0,0.5",
-          "--frameworks", "finelip", f"--data_dir={tfds_dir}"], timeout=1200)
+  rep = load_replicate()
+
+  def run(args, log):  # replicate.run, in this process
+    proc = run_entry("train.py", args)
+    with open(log, "w") as f:
+      f.write(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"train.py {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+
+  rep.run = run
+  argv = sys.argv
+  sys.argv = ["benchmarks/replicate.py", "--quick", "--out", str(out), "--seeds", "0", "--gammas", "0,0.5",
+              "--frameworks", "finelip", f"--data_dir={tfds_dir}"]
+  try:
+    rep.main()
+  finally:
+    sys.argv = argv
   return out
 
 
@@ -126,11 +154,7 @@ def test_replicate_quick_writes_its_outputs(replication):
 def test_replication_summaries_over_seeds_and_epochs_match_numpy(tmp_path):
   """replicate.py's arithmetic on hand-written metrics.jsonl files: mean and std over seeds of the final eval row,
   per-epoch shares and means of logged telemetry (the smoke run above has one seed and one epoch)."""
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("replicate", os.path.join(os.path.dirname(__file__), "..",
-                                                                          "benchmarks", "replicate.py"))
-  rep = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(rep)
+  rep = load_replicate()
   r = np.random.default_rng(0)
   finals, dirs = [], []
   for seed in range(3):

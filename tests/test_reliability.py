@@ -1,5 +1,6 @@
 """Preemption safety: exact resume after SIGKILL, SIGTERM, damaged checkpoints, non-finite steps, failing saves,
-locks, and restoring onto other device layouts. Every run is a real train.py subprocess."""
+locks, and restoring onto other device layouts. Every killed, faulty or multi-device run is a real train.py
+subprocess; plain one-device runs and reruns run in the test process (conftest.run_py)."""
 import json
 import os
 import shutil
