@@ -114,12 +114,13 @@ def run_processes(args, *, num_processes: int, devices_per_process: int, timeout
 IN_PROCESS = ("train.py", "eval.py")
 
 
-def run_py(args, *, devices: int = 1, timeout: int = 600, check: bool = True, env_extra=None, fresh: bool = False):
+def run_py(args, *, devices: int = 1, timeout: int = 600, check: bool = True, env_extra=None):
   """Runs `python ARGS` from the repo root with `devices` fake CPU devices. A one-device `train.py` / `eval.py` run
   with no environment changes runs in this process (`run_entry`: the same flag parser and main, without a fresh
-  interpreter and JAX import, which cost more than such a run); anything else, or `fresh=True`, in a fresh process.
+  interpreter and JAX import, which cost more than such a run; `timeout` does not apply there); anything else in a
+  fresh process (checks of the process itself call subprocess directly).
   """
-  if not fresh and devices == 1 and not env_extra and args and args[0] in IN_PROCESS:
+  if devices == 1 and not env_extra and args and args[0] in IN_PROCESS:
     proc = run_entry(args[0], args[1:])
   else:
     env = _env(devices, env_extra)
