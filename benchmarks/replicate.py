@@ -30,12 +30,18 @@ sys.path.insert(0, ROOT)
 from hnclip_jax import workdir  # noqa: E402  (the workdir layout)
 
 
-def run(args, log):
-  cmd = [sys.executable, "train.py", *args]
+def python(args, log):
+  """`python ARGS` from the repo root, its output in `log`; stops replicate.py if it fails."""
+  cmd = [sys.executable, *args]
   with open(log, "w") as f:
     proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
   if proc.returncode != 0:
     raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}; see {log}")
+
+
+def run(args, log):
+  """One train.py run."""
+  python(["train.py", *args], log)
 
 
 def finished(workdir, steps) -> bool:
@@ -83,12 +89,8 @@ def geometry(config, model, out_dir, data_dir):
   """tools/caption_geometry on the dense test captions with `model` (skipped when its summary exists)."""
   if os.path.exists(os.path.join(out_dir, "summary.json")):
     return
-  cmd = [sys.executable, "-m", "hnclip_jax.tools.caption_geometry", "--config", config, "--init_from", model,
-         "--out", out_dir] + ([f"--config.data.data_dir={data_dir}"] if data_dir else [])
-  with open(out_dir + ".log", "w") as f:
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-  if proc.returncode != 0:
-    raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}; see {out_dir}.log")
+  python(["-m", "hnclip_jax.tools.caption_geometry", "--config", config, "--init_from", model, "--out", out_dir]
+         + ([f"--config.data.data_dir={data_dir}"] if data_dir else []), out_dir + ".log")
 
 
 def main():

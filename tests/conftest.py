@@ -5,17 +5,21 @@ import re
 import socket
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.expanduser("~/.cache/hnclip_jax/xla-tests")
 sys.path.insert(0, ROOT)
+# Every program goes into the persistent cache, the eager operations' tiny ones too (each costs ~65 ms to compile on
+# 2 cores, hundreds per test module; JAX reads this at import, the processes the tests start inherit it, and
+# cli.enable_compilation_cache keeps it): a warm rerun reads them back instead (docs/testing.md).
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import jax  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 # ---- scheduling (pyproject.toml: --dist loadgroup --no-loadscope-reorder) -------------------------------------------
@@ -112,15 +116,21 @@ def run_processes(args, *, num_processes: int, devices_per_process: int, timeout
 
 
 IN_PROCESS = ("train.py", "eval.py")
+# `python -m` tools that run in the test process too (run_entry). Not compile_for: it sets up the TPU / GPU
+# compiler's environment before importing JAX, which needs a fresh process.
+IN_PROCESS_MODULES = ("hnclip_jax.tools.caption_geometry", "hnclip_jax.tools.match_segments", "hnclip_jax.data.inspect",
+                      "hnclip_jax.pretrained.export", "hnclip_jax.pretrained.convert",
+                      "hnclip_jax.pretrained.merge_adapters")
 
 
 def run_py(args, *, devices: int = 1, timeout: int = 600, check: bool = True, env_extra=None):
-  """Runs `python ARGS` from the repo root with `devices` fake CPU devices. A one-device `train.py` / `eval.py` run
-  with no environment changes runs in this process (`run_entry`: the same flag parser and main, without a fresh
-  interpreter and JAX import, which cost more than such a run; `timeout` does not apply there); anything else in a
-  fresh process (checks of the process itself call subprocess directly).
+  """Runs `python ARGS` from the repo root with `devices` fake CPU devices. A one-device `train.py` / `eval.py` run or
+  `python -m TOOL` (IN_PROCESS_MODULES) with no environment changes runs in this process (`run_entry`: the same flag
+  parser and main, without a fresh interpreter and JAX import, which cost more than such a run; `timeout` does not
+  apply there); anything else in a fresh process (checks of the process itself call subprocess directly).
   """
-  if devices == 1 and not env_extra and args and args[0] in IN_PROCESS:
+  if devices == 1 and not env_extra and args and (args[0] in IN_PROCESS or
+                                                  (args[0] == "-m" and args[1] in IN_PROCESS_MODULES)):
     proc = run_entry(args[0], args[1:])
   else:
     env = _env(devices, env_extra)
@@ -230,15 +240,17 @@ OWN_FLAG_MODULES = ("train", "eval", "hnclip_jax", "__main__", "configs")
 
 def _own_flags_of_absl(fv) -> set:
   """The flags every run keeps: absl's and the libraries' (grain, Orbax, array_record read theirs at run time);
-  the project's own (the entry points', the tools') are set aside."""
-  return {n for n in fv if (fv.find_module_defining_flag(n) or "__main__").split(".")[0] not in OWN_FLAG_MODULES}
+  the project's own (the entry points', the tools') are set aside. absl names a module run as __main__ by its file
+  (sys.argv[0]): a file under the repo is the project's."""
+  def own(module):
+    return module.split(".")[0] in OWN_FLAG_MODULES or module.startswith(ROOT + os.sep)
+  return {n for n in fv if not own(fv.find_module_defining_flag(n) or "__main__")}
 
 
 @contextlib.contextmanager
-def _entry_flags(script: str):
-  """Registers the flags of train.py / eval.py (imported as modules once) with absl for one run, with every other
-  non-absl flag set aside meanwhile (both scripts define --config and --workdir, and so do some tools), and the
-  run's --config.* field flags removed afterwards."""
+def _flags_aside():
+  """Every non-absl flag set aside for one run (the entry points and tools all define --config, --workdir or --out);
+  afterwards the run's own flags (its --config.* fields, a `-m` module's flags) are removed and the others restored."""
   from absl import app, flags, logging  # noqa: F401  (absl's own flags are defined before anything else)
   fv = flags.FLAGS
   absl_own = _own_flags_of_absl(fv)
@@ -246,6 +258,21 @@ def _entry_flags(script: str):
   for name in aside:
     delattr(fv, name)
   try:
+    yield fv
+  finally:
+    # Libraries imported during the run (grain) defined theirs: they stay; the run's --config.* fields go.
+    kept = absl_own | {n for n in _own_flags_of_absl(fv)
+                       if not (fv.find_module_defining_flag(n) or "").startswith("absl.")}
+    for name in [n for n in fv if n not in kept]:
+      delattr(fv, name)
+    for name, flag in aside.items():
+      fv[name] = flag
+
+
+@contextlib.contextmanager
+def _entry_flags(script: str):
+  """Registers the flags of train.py / eval.py (imported as modules once) with absl for one run (`_flags_aside`)."""
+  with _flags_aside() as fv:
     if script not in _ENTRIES:
       import importlib
       name = os.path.splitext(script)[0]
@@ -257,35 +284,38 @@ def _entry_flags(script: str):
       for name, flag in _ENTRIES[script][1].items():
         fv[name] = flag
     yield _ENTRIES[script][0]
-  finally:
-    # Libraries imported during the run (grain) defined theirs: they stay; the run's --config.* fields go.
-    kept = absl_own | {n for n in _own_flags_of_absl(fv)
-                       if not (fv.find_module_defining_flag(n) or "").startswith("absl.")}
-    for name in [n for n in fv if n not in kept]:
-      delattr(fv, name)
-    for name, flag in aside.items():
-      fv[name] = flag
 
 
 def run_entry(script: str, args) -> subprocess.CompletedProcess:
-  """`python SCRIPT ARGS` in this process (one device), up to its exit: returns its exit code (0 when main returns),
-  stdout and stderr. The error paths and one-device runs (`run_py`); JAX's persistent-cache setting, which the run
-  changes, is restored afterwards."""
+  """`python SCRIPT ARGS` (or `python -m MODULE ARGS`: script "-m", args[0] the module) in this process (one device),
+  up to its exit: returns its exit code (0 when main returns), stdout and stderr. train.py / eval.py: their flag
+  parser and main; a `-m` module: run as __main__ (runpy), its `app.run(main)` included. The error paths and
+  one-device runs (`run_py`); JAX's persistent-cache setting, which the run changes, is restored afterwards."""
   import io
+  import runpy
   from absl import flags
   from hnclip_jax import storage
   out, err, code = io.StringIO(), io.StringIO(), 0
+  module_run = script == "-m"
   argv, saved_argv, saved_cwd = [script, *map(str, args)], sys.argv, os.getcwd()
+  if module_run:
+    argv = [str(a) for a in args]
   cache = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
                                                "jax_persistent_cache_min_compile_time_secs")}
   sys.argv = argv  # ml_collections reads the --config.* overrides from sys.argv
   os.chdir(ROOT)  # relative paths as `python SCRIPT` from the repo root sees them
-  with _entry_flags(script) as module, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+  flag_context = _flags_aside() if module_run else _entry_flags(script)
+  with flag_context as module, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     flags.FLAGS.unparse_flags()
     try:
-      module.main(module.parse_flags(argv))
+      if module_run:  # app.run parses sys.argv (argv[0] becomes the module's file) and exits
+        with warnings.catch_warnings():  # the module is imported already (the tests use its functions): expected
+          warnings.filterwarnings("ignore", "'hnclip_jax.* found in sys.modules", RuntimeWarning)
+          runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+      else:
+        module.main(module.parse_flags(argv))
     except SystemExit as e:
-      code = e.code if isinstance(e.code, int) else 1
+      code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
       sys.argv = saved_argv
       os.chdir(saved_cwd)

@@ -80,20 +80,20 @@ def load_replicate():
 
 @pytest.fixture(scope="module")
 def replication(tmp_path_factory, tfds_dir):
-  """`python benchmarks/replicate.py --quick ...`: its main in this process, its train.py runs too (through
-  conftest.run_entry, the flag parser and main `python train.py` runs, instead of `replicate.run`'s subprocess:
-  seven fresh interpreters and JAX imports saved); the caption-geometry runs are subprocesses as in the script.
-  The script as a real process is run below (another regime for the same --out)."""
+  """`python benchmarks/replicate.py --quick ...`: its main in this process, and the train.py and caption-geometry
+  runs it starts too (through conftest.run_entry, the flag parser and main `python train.py` / `python -m` runs,
+  instead of `replicate.python`'s subprocess: nine fresh interpreters and JAX imports saved). The script as a real
+  process is run below (another regime for the same --out)."""
   out = tmp_path_factory.mktemp("replication")
   rep = load_replicate()
 
-  def run(args, log):  # replicate.run, in this process
-    proc = run_entry("train.py", args)
+  def python(args, log):  # replicate.python, in this process
+    proc = run_entry(args[0], args[1:])
     with open(log, "w") as f:
       f.write(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"train.py {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"python {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
 
-  rep.run = run
+  rep.python = python
   argv = sys.argv
   sys.argv = ["benchmarks/replicate.py", "--quick", "--out", str(out), "--seeds", "0", "--gammas", "0,0.5",
               "--frameworks", "finelip", f"--data_dir={tfds_dir}"]

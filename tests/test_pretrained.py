@@ -288,12 +288,13 @@ def test_convert_then_load_without_torch_and_fine_tune(tmp_path, hf_vocab_dir, t
   write_hf_vocab(str(src))
   out = tmp_path / "converted"
   run_py(["-m", "hnclip_jax.pretrained.convert", str(src), str(out)])
-  code = ("import sys; from hnclip_jax import pretrained; m = pretrained.load(sys.argv[1]); "
-          "import numpy as np; np.save(sys.argv[2], m.encode_texts(['a red circle', 'two blue squares'])); "
+  # One fresh process (this one has PyTorch loaded) loads both: converted dirs and safetensors need no PyTorch.
+  code = ("import sys; import numpy as np; from hnclip_jax import pretrained\n"
+          "for source, npy in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+          "  np.save(npy, pretrained.load(source).encode_texts(['a red circle', 'two blue squares']))\n"
           "print('TORCH', 'torch' in sys.modules)")
-  for source, tag in ((out, "converted"), (src, "hf")):
-    proc = run_py(["-c", code, str(source), str(tmp_path / f"{tag}.npy")])
-    assert "TORCH False" in proc.stdout  # converted dirs and safetensors need no PyTorch
+  proc = run_py(["-c", code, str(out), str(tmp_path / "converted.npy"), str(src), str(tmp_path / "hf.npy")])
+  assert "TORCH False" in proc.stdout
   np.testing.assert_allclose(np.load(tmp_path / "converted.npy"), np.load(tmp_path / "hf.npy"), atol=1e-6)
   hf_tok = transformers.CLIPTokenizer.from_pretrained(hf_vocab_dir)
   ids = np.zeros((2, 77), np.int64)
