@@ -78,9 +78,14 @@ def base_config() -> ml_collections.ConfigDict:
   #   every device (memory per device grows with the global batch), "ring" passes tiles of them around the batch
   #   axes (ppermute) and scores each against the device's images as it arrives: O(local batch) tokens per device,
   #   the same loss and gradients (docs/objective.md, docs/sharding.md).
+  # token_group: which negatives the token term sees (a cost choice at large batch, docs/objective.md): 0 = the whole
+  #   global batch (paper Eq. 3); G > 0 = only the other examples of its group of G consecutive examples of the
+  #   global batch, B/G times less token work and no caption tokens sent between devices. G must divide the
+  #   per-device batch; the result is the same on any mesh.
   c.loss = ml_collections.ConfigDict({"gamma": 0.5, "negatives": "global_batch", "chunk_size": 0,
                                       "token_weight": 0.0, "token_layer": -1, "token_image_cls": False,
-                                      "token_logit_scale": 0.0, "token_margin": False, "token_schedule": "gather"})
+                                      "token_logit_scale": 0.0, "token_margin": False, "token_schedule": "gather",
+                                      "token_group": 0})
   # train_logit_scale: learn CLIP's logit scale (its parameter is clamped to [0, ln 100] after every update).
   c.optimizer = ml_collections.ConfigDict({
       "lr": 5e-4, "weight_decay": 0.1, "warmup_steps": 50,
@@ -183,7 +188,8 @@ def check_benchmarks(config) -> None:
 
 ADAPTER_SETTINGS = ("rank", "alpha", "dropout", "targets", "dora_detach_norm")  # only LoRA / DoRA read these
 # config.loss keys only the token term reads (token_weight > 0), and a framework that names them (LOSS_SETTINGS).
-TOKEN_SETTINGS = ("token_layer", "token_image_cls", "token_logit_scale", "token_margin", "token_schedule")
+TOKEN_SETTINGS = ("token_layer", "token_image_cls", "token_logit_scale", "token_margin", "token_schedule",
+                  "token_group")
 TOKEN_SCHEDULES = ("gather", "ring")
 
 
@@ -197,7 +203,18 @@ def check_token_settings(config) -> None:
   loss, defaults = config.loss, base_config().loss
   if loss.token_schedule not in TOKEN_SCHEDULES:
     raise ValueError(f"config.loss.token_schedule={loss.token_schedule!r}; choose one of {list(TOKEN_SCHEDULES)}")
-  if float(loss.token_weight) > 0:
+  group = loss.token_group
+  if not isinstance(group, int) or group < 0:
+    raise ValueError(f"config.loss.token_group={group!r}; use 0 (the whole global batch) or a group size > 0")
+  on = float(loss.token_weight) > 0
+  if on and group and int(config.batch_size) % group:
+    raise ValueError(f"config.loss.token_group={group} must divide config.batch_size={config.batch_size} (and the "
+                     "per-device batch): choose a divisor, or 0 for the whole global batch")
+  if on and group and loss.token_schedule != defaults.token_schedule:
+    raise ValueError(f"config.loss.token_schedule={loss.token_schedule!r} set, but config.loss.token_group={group} "
+                     "scores each group on the device that holds it, with no caption tokens sent: the schedule "
+                     "would do nothing. Drop token_schedule, or set token_group=0")
+  if on:
     return
   read = frameworks.loss_settings(config)
   unused = [f"config.loss.{k}={loss[k]!r}" for k in TOKEN_SETTINGS if loss[k] != defaults[k] and k not in read]

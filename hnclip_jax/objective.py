@@ -50,6 +50,7 @@ class Objective:
   token_logit_scale: float = 0.0  # 0: the model's learned s; > 0: this fixed multiplier for the token logits
   token_margin: bool = False  # also add γ·Ḡ to the token logits
   token_schedule: str = "gather"  # "gather": all caption tokens on every device | "ring": tiles passed around
+  token_group: int = 0  # 0: the token term's negatives are the global batch; G: the example's group of G rows
   global_weight: float = 1.0  # w_g: weight of L_HN (a framework may set it)
   # The framework's terms (hnclip_jax/frameworks: each a frameworks.Term), added in order.
   terms: tuple = ()
@@ -151,7 +152,9 @@ class Objective:
         margin = (self.gamma, out["txt"], txt_all) if self.token_margin and losses.has_margin(self.gamma) else None
         # [B, n] columns of S^T (all captions vs this device's images) -> this device's [n, B] rows of it.
         cols_to_rows = lambda x: jax.lax.all_to_all(x, axes, 0, 1, tiled=True)
-        if self.token_schedule == "ring":  # caption-token tiles around the batch axes: O(n) tokens per device
+        if self.token_group:  # each group of G consecutive rows on its own: on this device, nothing sent
+          ti2t, tt2i = self._grouped_token_rows(out, tok_scale)
+        elif self.token_schedule == "ring":  # caption-token tiles around the batch axes: O(n) tokens per device
           ti2t, tt2i = losses.token_rows_ring(
               out["img_tokens"], out["txt_tokens"], out["txt_mask"], tok_scale, offset, axes, batch // n,
               block=self.chunk_size or losses.TOKEN_BLOCK, margin=margin)
@@ -177,6 +180,26 @@ class Objective:
                        "per_example": P(axes)})
     fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=out_specs)
     return fn({k: (jnp.asarray(v, jnp.float32) if k in GLOBAL_OUTPUTS else v) for k, v in outputs.items()}, scheds)
+
+  def _grouped_token_rows(self, out, scale):
+    """The token term's per-example (i2t [n], t2i [n]) with each example's negatives its group of `token_group`
+    consecutive rows of the global batch (groups lie within a device: G divides the per-device batch), one group
+    at a time."""
+    n, g = out["img_tokens"].shape[0], self.token_group
+    if n % g:
+      raise ValueError(f"config.loss.token_group={g} must divide the per-device batch {n} (config.batch_size over "
+                       "the mesh's data x fsdp devices, and over grad_accum_steps with negatives=micro_batch): "
+                       "choose a divisor of it, or 0 for the whole global batch")
+    margin = self.token_margin and losses.has_margin(self.gamma)
+
+    def group(xs):
+      img_t, txt_t, mask, txt = xs
+      return losses.token_rows(img_t, txt_t, mask, scale, 0, block=self.chunk_size or losses.TOKEN_BLOCK,
+                               margin=(self.gamma, txt, txt) if margin else None)
+
+    split = lambda x: x.reshape(n // g, g, *x.shape[1:])
+    i2t, t2i = jax.lax.map(group, tuple(split(out[k]) for k in ("img_tokens", "txt_tokens", "txt_mask", "txt")))
+    return i2t.reshape(n), t2i.reshape(n)
 
   def _global_rows(self, img, txt, img_all, txt_all, scale, offset):
     """L_HN's per-example (i2t [n], t2i [n]) for this device's rows, `chunk_size` rows at a time if set."""

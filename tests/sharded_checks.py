@@ -129,6 +129,16 @@ def token():
                    ("chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1))):
     loss, grads, _ = grads_on(token_weight=1.0, **kw)
     out["token_layouts"][name] = rel(loss, grads, ref)
+  # token_group=2 (each example's token negatives: its group of 2 consecutive rows; no caption tokens sent): on the
+  # layouts that split the groups over devices differently, with accumulation and 1-row chunks, equal one device.
+  ref_g = grads_on((1, 1, 1), token_weight=1.0, token_group=2, token_margin=True)
+  out["token_group_differs"] = abs(ref_g[0] - ref[0]) / ref[0]
+  out["token_group_layouts"] = {}
+  for name, kw in (("(8, 1, 1)", dict(shape=(8, 1, 1))), ("(2, 2, 2)", dict(shape=(2, 2, 2))),
+                   ("accum x2 (2, 2, 2)", dict(shape=(2, 2, 2), accum=2)),
+                   ("chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1))):
+    loss, grads, _ = grads_on(token_weight=1.0, token_group=2, token_margin=True, **kw)
+    out["token_group_layouts"][name] = rel(loss, grads, ref_g)
 
 
 def adapters_():

@@ -104,6 +104,37 @@ def test_token_term_options_match_numpy():
   np.testing.assert_allclose(got, hn + 2.0 * np_token_loss(it, tt, m, 25.0), rtol=1e-5)
 
 
+@pytest.mark.parametrize("group,chunk", [(3, 0), (2, 1)])
+def test_token_groups_match_numpy(group, chunk):
+  """token_group=G: the token term of each example against its group of G consecutive rows only (with the margin,
+  the group's own Ḡ); value and token-feature gradients equal float64 NumPy on the groups, the global term L_HN is
+  unchanged; G = B is the global-batch term; a G that does not divide the batch is refused by name."""
+  out = _outputs(2)
+  s, it, tt, m = float(out["scale"]), out["img_tokens"], out["txt_tokens"], out["txt_mask"]
+  hn = np_reference(out["img"], out["txt"], s, 0.5)[0]
+
+  def grouped(it, tt):
+    parts = []
+    for k in range(0, 6, group):
+      t = out["txt"][k:k + group].astype(np.float64)
+      g = t @ t.T
+      np.fill_diagonal(g, 0.0)
+      parts.append(np_token_loss(it[k:k + group], tt[k:k + group], m[k:k + group], s, margin=0.5 * g))
+    return float(np.mean(parts))  # equal groups: the mean over groups is the mean over all rows
+
+  obj = Objective(gamma=0.5, token_weight=1.0, token_margin=True, token_group=group, chunk_size=chunk)
+  got, g = _value_and_grads(obj, out)
+  np.testing.assert_allclose(got, hn + grouped(it, tt), rtol=1e-5)
+  assert abs(grouped(it, tt) - np_token_loss(it, tt, m, s)) > 1e-3  # the groups really change the term
+  np.testing.assert_allclose(g["img_tokens"], _numeric_grad(lambda x: grouped(x, tt), it), rtol=1e-3, atol=2e-6)
+  np.testing.assert_allclose(g["txt_tokens"], _numeric_grad(lambda x: grouped(it, x), tt), rtol=1e-3, atol=2e-6)
+  whole, _ = _value_and_grads(Objective(gamma=0.5, token_weight=1.0, token_group=6), out)
+  plain, _ = _value_and_grads(Objective(gamma=0.5, token_weight=1.0), out)
+  np.testing.assert_allclose(whole, plain, rtol=1e-6)
+  with pytest.raises(ValueError, match=r"config.loss.token_group=4 must divide the per-device batch 6"):
+    _value_and_grads(Objective(gamma=0.5, token_weight=1.0, token_group=4), out)
+
+
 def test_token_weight_zero_is_exactly_the_hn_loss_and_asks_for_no_tokens():
   out = _outputs(2)
   obj = Objective(gamma=0.5, token_weight=0.0)

@@ -41,6 +41,17 @@ def test_token_term_every_layout_matches_one_device():
     assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (layout, r)
 
 
+@group("token")
+def test_token_groups_match_one_device():
+  """config.loss.token_group=2 with the margin on the token logits: the one-device loss and gradients on layouts with
+  1 and 2 rows per device, with global-batch accumulation and 1-row chunks; the groups change the term."""
+  checks = section("token")
+  assert checks["token_group_differs"] > 1e-3
+  assert len(checks["token_group_layouts"]) == 4
+  for layout, r in checks["token_group_layouts"].items():
+    assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (layout, r)
+
+
 @group("ring")
 def test_ring_schedule_every_layout_matches_one_device():
   """config.loss.token_schedule="ring": caption-token tiles passed around the batch axes (its own custom VJP sends

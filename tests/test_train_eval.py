@@ -158,9 +158,16 @@ def test_full_objective_with_token_term_trains_and_resumes(tmp_path, tfds_dir):
     ("--config.finetune.dora_detach_norm=true", "config.finetune.dora_detach_norm=True set, but "
                                                 "config.finetune.method='full'"),
     ("--config.loss.token_schedule=rng", "config.loss.token_schedule='rng'; choose one of ['gather', 'ring']"),
+    ("--config.loss.token_group=2", "config.loss.token_group=2 set, but config.loss.token_weight=0"),
+    ("--config.loss.token_group=-1", "config.loss.token_group=-1; use 0 (the whole global batch) or a group size"),
+    (("--config.loss.token_weight=1", "--config.loss.token_group=5"),
+     "config.loss.token_group=5 must divide config.batch_size=16"),
+    (("--config.loss.token_weight=1", "--config.loss.token_group=2", "--config.loss.token_schedule=ring"),
+     "config.loss.token_schedule='ring' set, but config.loss.token_group=2 scores each group on the device"),
 ])
 def test_bad_config_is_named(tmp_path, override, message):
-  proc = run_entry("train.py", ["--config", CONFIG, "--workdir", str(tmp_path / "w"), override])
+  overrides = [override] if isinstance(override, str) else list(override)
+  proc = run_entry("train.py", ["--config", CONFIG, "--workdir", str(tmp_path / "w"), *overrides])
   assert proc.returncode == 2 and message in proc.stderr
   assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
