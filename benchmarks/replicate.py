@@ -12,7 +12,8 @@
 3. Fine-tune from it on the dense set with each γ and seed, same budget, saturation telemetry on every logged
    step and the HN-vs-InfoNCE parameter-gradient comparison every few steps.
 4. Data efficiency: γ = 0.5 on 20% of the training set vs γ = 0 on 100%. Optionally (--token_weights,
-   --methods) the token term and LoRA/DoRA, γ 0 and 0.5.
+   --methods) the token term and LoRA/DoRA, γ 0 and 0.5; (--token_groups, --token_keeps) the token term's cheaper
+   options at λ = 1, γ = 0.5 next to the whole term.
 Writes results.json, table.md, recall_vs_gamma.png and saturation.png to --out. Every number comes from the runs'
 metrics.jsonl and geometry summary.json files, so the report can be regenerated from a finished --out with
 --report_only. Finished runs are skipped when the command is run again.
@@ -111,6 +112,12 @@ def main():
                  help="comma-separated finelip,goal: also fine-tune with that framework (config.framework; FineLIP's "
                       "hinge ramped in over one epoch, its aggregators at 10x the backbone's lr; GOAL with the "
                       "synthetic data's exact segments), γ 0 and 0.5, every seed")
+  p.add_argument("--token_groups", default="",
+                 help="comma-separated G: also fine-tune with the token term (λ = 1, γ 0.5, every seed) on groups of G "
+                      "examples (config.loss.token_group), next to the whole-batch term from the same start")
+  p.add_argument("--token_keeps", default="",
+                 help="comma-separated f in (0, 1): the same with the token term on the fraction f of each example's "
+                      "tokens (config.loss.token_keep)")
   a = p.parse_args()
   out = os.path.abspath(a.out)
   os.makedirs(out, exist_ok=True)
@@ -152,6 +159,13 @@ def main():
   frameworks = [f for f in a.frameworks.split(",") if f]
   fw_runs = {(f, g, s): os.path.join(out, f"ft_fw_{f}_gamma{g}_seed{s}") for f in frameworks for g in (0.0, 0.5)
              for s in seeds}
+  # The token term's cost options (docs/objective.md), λ = 1 and γ = 0.5, against the whole term from the same start
+  # (its runs are the --token_weights 1 runs of γ 0.5: one directory, run once).
+  cost = {"full": []} if a.token_groups or a.token_keeps else {}
+  cost.update({f"group{int(x)}": [f"--config.loss.token_group={int(x)}"] for x in a.token_groups.split(",") if x})
+  cost.update({f"keep{float(x)}": [f"--config.loss.token_keep={float(x)}"] for x in a.token_keeps.split(",") if x})
+  cost_runs = {(c, s): os.path.join(out, "ft_tok1.0_gamma0.5_seed%d" % s if c == "full" else
+                                    f"ft_tok1.0_{c}_gamma0.5_seed{s}") for c in cost for s in seeds}
   small = os.path.join(out, "ft_gamma0.5_20pct")
   if not a.report_only:
     if not os.path.exists(os.path.join(pre, workdir.MODEL_JSON)) or not rows(pre)[-1:] or \
@@ -168,6 +182,11 @@ def main():
         continue
       run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
            f"--config.loss.token_weight={lam}"], w + ".log")
+    for (c, s), w in cost_runs.items():
+      if finished(w, ft_steps):
+        continue
+      run([*common, *ft_args, "--workdir", w, "--config.loss.gamma=0.5", f"--config.seed={s}",
+           "--config.loss.token_weight=1.0", *cost[c]], w + ".log")
     for (m, g, s), w in peft_runs.items():
       if finished(w, ft_steps):
         continue
@@ -200,6 +219,7 @@ def main():
   for lam in token_weights:
     for g in (0.0, 0.5):
       results["token_term"][f"lambda{lam}_gamma{g}"] = mean_std([tok_runs[(lam, g, s)] for s in seeds])
+  results["token_cost"] = {c: mean_std([cost_runs[(c, s)] for s in seeds]) for c in cost}
   results["adapters"] = {}
   for m in methods:
     for g in (0.0, 0.5):
@@ -259,6 +279,9 @@ def main():
   for name, r in results["token_term"].items():
     lam, g = name.removeprefix("lambda").split("_gamma")
     lines.append(f"| {g}, token term λ={lam} | " + " | ".join(f"{r[f'{d}/R@{k}'][0]:.2f} ± {r[f'{d}/R@{k}'][1]:.2f}"
+                                                              for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
+  for c, r in results["token_cost"].items():
+    lines.append(f"| 0.5, token term λ=1, {c} | " + " | ".join(f"{r[f'{d}/R@{k}'][0]:.2f} ± {r[f'{d}/R@{k}'][1]:.2f}"
                                                               for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
   for name, r in results["adapters"].items():
     m, g = name.split("_gamma")

@@ -20,6 +20,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from configs.longclip_l import get_config  # noqa: E402
+from hnclip_jax.losses import kept_tokens  # noqa: E402
 from hnclip_jax.tools import compile_for  # noqa: E402
 
 
@@ -60,7 +61,11 @@ def main():
     rows = batch // chips
     model = rows * ((4 if accum > 1 else 3) * fwd + (recompute if r.get("remat", "none") == "full" else 0))
     if float(r.get("loss.token_weight", config.loss.token_weight)) > 0:
-      model += 8 * rows * batch * patch_tokens * m.text_context * m.embed_dim
+      # value + gradient ≈ 4× the forward 2·n·B·P·L·E; token_group G: G negatives instead of B; token_keep f: the
+      # kept ⌈f·P⌉ patches and ⌈f·L⌉ caption slots (docs/objective.md)
+      negatives = int(r.get("loss.token_group", config.loss.token_group)) or batch
+      keep = float(r.get("loss.token_keep", config.loss.token_keep))
+      model += 8 * rows * negatives * kept_tokens(keep, patch_tokens) * kept_tokens(keep, m.text_context) * m.embed_dim
     xla_remat = r.get("xla_remat_TFLOP", 0.0) * 1e12  # rows written since compile_for counts it
     if args.hlo_dir and r.get("hlo") and "xla_remat_TFLOP" not in r:
       with gzip.open(os.path.join(args.hlo_dir, r["hlo"]), "rt") as f:

@@ -38,3 +38,6 @@ run v5p:2x4x4 32x1x1 batch_size=32768 grad_accum_steps=16 remat=full loss.token_
 # The token term on groups of 256 examples (loss.token_group=256: B/256 times less token work, no caption tokens
 # sent; docs/objective.md) at 32k, where neither schedule of the whole-batch term fits v5e-16.
 run v5e:4x4 16x1x1 batch_size=32768 grad_accum_steps=32 remat=full loss.token_weight=1 loss.token_group=256
+# The token term on each example's kept half of its tokens (loss.token_keep=0.5: ~4x less token work, half the caption
+# tokens gathered) at 32k, where neither schedule of the whole term fits v5e-16.
+run v5e:4x4 16x1x1 batch_size=32768 grad_accum_steps=32 remat=full loss.token_weight=1 loss.token_keep=0.5 loss.token_schedule=ring

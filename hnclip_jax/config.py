@@ -82,10 +82,14 @@ def base_config() -> ml_collections.ConfigDict:
   #   global batch (paper Eq. 3); G > 0 = only the other examples of its group of G consecutive examples of the
   #   global batch, B/G times less token work and no caption tokens sent between devices. G must divide the
   #   per-device batch; the result is the same on any mesh.
+  # token_keep: the fraction of tokens the token term scores (a cost choice, docs/objective.md): 1.0 = all of them
+  #   (paper Eq. 3); f < 1 = each image's ceil(f·P) patches and each caption's ceil(f·n) of its n real tokens most
+  #   similar to the example's own global embedding, chosen before anything is sent: about f² of the term's work
+  #   and f of its memory and collectives, on any mesh and schedule.
   c.loss = ml_collections.ConfigDict({"gamma": 0.5, "negatives": "global_batch", "chunk_size": 0,
                                       "token_weight": 0.0, "token_layer": -1, "token_image_cls": False,
                                       "token_logit_scale": 0.0, "token_margin": False, "token_schedule": "gather",
-                                      "token_group": 0})
+                                      "token_group": 0, "token_keep": 1.0})
   # train_logit_scale: learn CLIP's logit scale (its parameter is clamped to [0, ln 100] after every update).
   c.optimizer = ml_collections.ConfigDict({
       "lr": 5e-4, "weight_decay": 0.1, "warmup_steps": 50,
@@ -189,7 +193,7 @@ def check_benchmarks(config) -> None:
 ADAPTER_SETTINGS = ("rank", "alpha", "dropout", "targets", "dora_detach_norm")  # only LoRA / DoRA read these
 # config.loss keys only the token term reads (token_weight > 0), and a framework that names them (LOSS_SETTINGS).
 TOKEN_SETTINGS = ("token_layer", "token_image_cls", "token_logit_scale", "token_margin", "token_schedule",
-                  "token_group")
+                  "token_group", "token_keep")
 TOKEN_SCHEDULES = ("gather", "ring")
 
 
@@ -206,6 +210,10 @@ def check_token_settings(config) -> None:
   group = loss.token_group
   if not isinstance(group, int) or group < 0:
     raise ValueError(f"config.loss.token_group={group!r}; use 0 (the whole global batch) or a group size > 0")
+  keep = loss.token_keep
+  if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 < keep <= 1:
+    raise ValueError(f"config.loss.token_keep={keep!r}; use a fraction in (0, 1] of the tokens the token term "
+                     "scores (1.0: all of them)")
   on = float(loss.token_weight) > 0
   if on and group and int(config.batch_size) % group:
     raise ValueError(f"config.loss.token_group={group} must divide config.batch_size={config.batch_size} (and the "

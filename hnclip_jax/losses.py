@@ -11,6 +11,7 @@ near-equal similarities, and rounding it away is rounding the method away.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -177,6 +178,36 @@ def token_scores(img_r, txt_c, mask_c):
   m = mask_c[None].astype(F32)  # [1, c, L]
   t2i = jnp.sum(jnp.max(s, axis=2) * m, axis=2) / jnp.maximum(jnp.sum(m, axis=2), 1.0)
   return i2t, t2i
+
+
+def kept_tokens(keep: float, length: int) -> int:
+  """How many of `length` token slots `select_tokens` keeps for a fraction `keep` in (0, 1]: ceil(keep·length)."""
+  return max(1, min(length, math.ceil(keep * length - 1e-9)))
+
+
+def select_tokens(tokens, emb, keep: float, mask=None):
+  """FILIP-style token selection, per example and before anything is sent: keeps the fraction `keep` of each
+  example's tokens most similar to its own global embedding (the one retrieval uses).
+
+  tokens: [B, T, E] per-token features, emb: [B, E] the examples' global embeddings, mask: [B, T] bool (True on
+  real tokens) or None (every token real, as for image patches).
+  Returns (tokens [B, K, E], mask [B, K] bool) with K = kept_tokens(keep, T): the kept tokens in descending order
+  of <token, emb>; with a mask, each example keeps ceil(K·n/T) of its n real tokens (the same fraction of its own
+  length, at least one) and the remaining slots are masked. The ranking is not differentiated (stop_gradient); the
+  kept tokens' features are, so gradients reach exactly the kept tokens.
+  """
+  t = tokens.shape[1]
+  k = kept_tokens(keep, t)
+  score = sims(jax.lax.stop_gradient(tokens), jax.lax.stop_gradient(emb), "bte,be->bt")
+  if mask is not None:
+    score = jnp.where(mask, score, -jnp.inf)
+  _, idx = jax.lax.top_k(score, k)  # [B, K], best first
+  kept = jnp.take_along_axis(tokens, idx[..., None], axis=1)
+  if mask is None:
+    return kept, jnp.ones(kept.shape[:2], bool)
+  real = jnp.sum(mask, axis=1).astype(jnp.int32)
+  quota = jnp.maximum(1, (real * k + t - 1) // t)  # ceil(K·n/T) in integers
+  return kept, jnp.arange(k)[None, :] < quota[:, None]
 
 
 def pairwise_rows(pair, rows, cols, block: int, cols_to_rows=lambda x: x):

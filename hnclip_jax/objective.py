@@ -51,6 +51,7 @@ class Objective:
   token_margin: bool = False  # also add γ·Ḡ to the token logits
   token_schedule: str = "gather"  # "gather": all caption tokens on every device | "ring": tiles passed around
   token_group: int = 0  # 0: the token term's negatives are the global batch; G: the example's group of G rows
+  token_keep: float = 1.0  # fraction of each image's patches and each caption's tokens the token term scores
   global_weight: float = 1.0  # w_g: weight of L_HN (a framework may set it)
   # The framework's terms (hnclip_jax/frameworks: each a frameworks.Term), added in order.
   terms: tuple = ()
@@ -152,15 +153,16 @@ class Objective:
         margin = (self.gamma, out["txt"], txt_all) if self.token_margin and losses.has_margin(self.gamma) else None
         # [B, n] columns of S^T (all captions vs this device's images) -> this device's [n, B] rows of it.
         cols_to_rows = lambda x: jax.lax.all_to_all(x, axes, 0, 1, tiled=True)
+        tok = self._kept_tokens(out)
         if self.token_group:  # each group of G consecutive rows on its own: on this device, nothing sent
-          ti2t, tt2i = self._grouped_token_rows(out, tok_scale)
+          ti2t, tt2i = self._grouped_token_rows(tok, tok_scale)
         elif self.token_schedule == "ring":  # caption-token tiles around the batch axes: O(n) tokens per device
           ti2t, tt2i = losses.token_rows_ring(
-              out["img_tokens"], out["txt_tokens"], out["txt_mask"], tok_scale, offset, axes, batch // n,
+              tok["img_tokens"], tok["txt_tokens"], tok["txt_mask"], tok_scale, offset, axes, batch // n,
               block=self.chunk_size or losses.TOKEN_BLOCK, margin=margin)
         else:
           ti2t, tt2i = losses.token_rows(
-              out["img_tokens"], gather(out["txt_tokens"]), gather(out["txt_mask"]), tok_scale, offset,
+              tok["img_tokens"], gather(tok["txt_tokens"]), gather(tok["txt_mask"]), tok_scale, offset,
               block=self.chunk_size or losses.TOKEN_BLOCK, margin=margin, cols_to_rows=cols_to_rows)
         terms["tok"] = jax.lax.psum(jnp.sum(ti2t) + jnp.sum(tt2i), axes) / (2 * batch)
         per = per + self.token_weight * 0.5 * (ti2t + tt2i)
@@ -180,6 +182,17 @@ class Objective:
                        "per_example": P(axes)})
     fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=out_specs)
     return fn({k: (jnp.asarray(v, jnp.float32) if k in GLOBAL_OUTPUTS else v) for k, v in outputs.items()}, scheds)
+
+  def _kept_tokens(self, out) -> dict:
+    """The token term's inputs {"img_tokens", "txt_tokens", "txt_mask", "txt"} for this device's rows: all tokens,
+    or with token_keep < 1 the kept fraction of each example's (`losses.select_tokens`), chosen on the device that
+    holds the example, before anything is sent."""
+    tok = {k: out[k] for k in ("img_tokens", "txt_tokens", "txt_mask", "txt")}
+    if self.token_keep < 1:
+      tok["img_tokens"], _ = losses.select_tokens(out["img_tokens"], out["img"], self.token_keep)
+      tok["txt_tokens"], tok["txt_mask"] = losses.select_tokens(out["txt_tokens"], out["txt"], self.token_keep,
+                                                                out["txt_mask"])
+    return tok
 
   def _grouped_token_rows(self, out, scale):
     """The token term's per-example (i2t [n], t2i [n]) with each example's negatives its group of `token_group`

@@ -139,6 +139,16 @@ def token():
                    ("chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1))):
     loss, grads, _ = grads_on(token_weight=1.0, token_group=2, token_margin=True, **kw)
     out["token_group_layouts"][name] = rel(loss, grads, ref_g)
+  # token_keep=0.5 (each example's tokens chosen on its own device before anything is sent): both schedules, with
+  # accumulation, equal one device.
+  ref_k = grads_on((1, 1, 1), token_weight=1.0, token_keep=0.5)
+  out["token_keep_differs"] = abs(ref_k[0] - ref[0]) / ref[0]
+  out["token_keep_layouts"] = {}
+  for name, kw in (("(2, 2, 2)", dict(shape=(2, 2, 2))),
+                   ("ring (8, 1, 1)", dict(shape=(8, 1, 1), token_schedule="ring")),
+                   ("accum x2 (2, 2, 2)", dict(shape=(2, 2, 2), accum=2))):
+    loss, grads, _ = grads_on(token_weight=1.0, token_keep=0.5, **kw)
+    out["token_keep_layouts"][name] = rel(loss, grads, ref_k)
 
 
 def adapters_():

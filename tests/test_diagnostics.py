@@ -96,7 +96,7 @@ def replication(tmp_path_factory, tfds_dir):
   rep.python = python
   argv = sys.argv
   sys.argv = ["benchmarks/replicate.py", "--quick", "--out", str(out), "--seeds", "0", "--gammas", "0,0.5",
-              "--frameworks", "finelip", f"--data_dir={tfds_dir}"]
+              "--frameworks", "finelip", "--token_groups", "4", "--token_keeps", "0.5", f"--data_dir={tfds_dir}"]
   try:
     rep.main()
   finally:
@@ -127,6 +127,18 @@ def test_replicate_quick_writes_its_outputs(replication):
   assert set(res["frameworks"]) == {"finelip_gamma0.0", "finelip_gamma0.5"}
   fl = json.load(open(replication / "ft_fw_finelip_gamma0.5_seed0" / "model.json"))
   assert dict(fl["part_settings"])["tokens"] == 39 and "| 0.5, framework finelip |" in open(replication / "table.md").read()
+  # --token_groups 4 --token_keeps 0.5: the token term's cost options next to the whole term, same start and seeds.
+  assert set(res["token_cost"]) == {"full", "group4", "keep0.5"}
+  table = open(replication / "table.md").read()
+  for c in ("full", "group4", "keep0.5"):
+    w = replication / ("ft_tok1.0_gamma0.5_seed0" if c == "full" else f"ft_tok1.0_{c}_gamma0.5_seed0")
+    assert res["token_cost"][c]["t2i/R@1"][0] == load_replicate().final_recall(str(w))["t2i/R@1"]
+    assert f"| 0.5, token term λ=1, {c} |" in table
+  # The same first batch from the same start: 3 negatives per example instead of 15 lower the token term's first
+  # value; half the tokens change it.
+  first = lambda c: next(r for r in map(json.loads, open(replication / f"ft_tok1.0{c}_gamma0.5_seed0" /
+                                                            "metrics.jsonl")) if "loss/tok" in r)["loss/tok"]
+  assert first("_group4") < first("") != first("_keep0.5")
   for name in ("table.md", "recall_vs_gamma.png", "saturation.png"):
     assert os.path.getsize(replication / name) > 0
   rows = [json.loads(line) for line in open(replication / "ft_gamma0.5_seed0" / "metrics.jsonl")]

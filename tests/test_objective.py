@@ -135,6 +135,62 @@ def test_token_groups_match_numpy(group, chunk):
     _value_and_grads(Objective(gamma=0.5, token_weight=1.0, token_group=4), out)
 
 
+def np_select(tokens, emb, keep, mask=None):
+  """token_keep's rule in NumPy: each example's ceil(keep·T) tokens with the largest <token, own embedding>, best
+  first; with a mask, real tokens only and each example's quota ceil(K·n/T) of its n real ones. -> (index [B, K]
+  into the token axis, kept mask [B, K])."""
+  b, t = tokens.shape[:2]
+  k = int(np.ceil(keep * t - 1e-9))
+  score = np.einsum("bte,be->bt", tokens.astype(np.float64), emb.astype(np.float64))
+  if mask is not None:
+    score = np.where(mask, score, -np.inf)
+  idx = np.argsort(-score, axis=1, kind="stable")[:, :k]
+  if mask is None:
+    return idx, np.ones((b, k), bool)
+  quota = np.maximum(1, np.ceil(k * mask.sum(1) / t))
+  return idx, np.arange(k)[None] < quota[:, None]
+
+
+@pytest.mark.parametrize("keep,group", [(0.5, 0), (0.3, 3)])
+def test_token_keep_matches_numpy(keep, group):
+  """token_keep=f: the token term on each example's kept tokens (NumPy's ranking by the example's own embedding),
+  with the margin and with groups; gradients reach exactly the kept tokens; f = 1 is the whole term."""
+  out = _outputs(4, p=6, l=9)
+  s, it, tt, m = float(out["scale"]), out["img_tokens"], out["txt_tokens"], out["txt_mask"]
+  hn = np_reference(out["img"], out["txt"], s, 0.5)[0]
+  i_idx, _ = np_select(it, out["img"], keep)
+  t_idx, t_mask = np_select(tt, out["txt"], keep, m)
+  rows = np.arange(6)[:, None]
+  assert 0 < t_mask.sum() < m.sum() and t_mask.shape[1] < m.shape[1]  # captions lose tokens, none all of them
+
+  def term(it, tt):
+    ki, kt = it[rows, i_idx], tt[rows, t_idx]
+    parts = []
+    for k in range(0, 6, group or 6):
+      sl = slice(k, k + (group or 6))
+      g = out["txt"][sl].astype(np.float64) @ out["txt"][sl].T.astype(np.float64)
+      np.fill_diagonal(g, 0.0)
+      parts.append(np_token_loss(ki[sl], kt[sl], t_mask[sl], s, margin=0.5 * g))
+    return float(np.mean(parts))
+
+  obj = Objective(gamma=0.5, token_weight=1.0, token_margin=True, token_group=group, token_keep=keep)
+  got, g = _value_and_grads(obj, out)
+  np.testing.assert_allclose(got, hn + term(it, tt), rtol=1e-5)
+  np.testing.assert_allclose(g["img_tokens"], _numeric_grad(lambda x: term(x, tt), it), rtol=1e-3, atol=2e-6)
+  np.testing.assert_allclose(g["txt_tokens"], _numeric_grad(lambda x: term(it, x), tt), rtol=1e-3, atol=2e-6)
+  kept_i = np.zeros(it.shape[:2], bool)
+  kept_i[rows, i_idx] = True
+  kept_t = np.zeros(tt.shape[:2], bool)
+  kept_t[rows, t_idx] = t_mask
+  norm = lambda x: np.abs(np.asarray(x)).sum(-1)
+  assert np.all(norm(g["img_tokens"])[~kept_i] == 0) and np.all(norm(g["img_tokens"])[kept_i] > 0)
+  assert np.all(norm(g["txt_tokens"])[~kept_t] == 0) and np.all(norm(g["txt_tokens"])[kept_t] > 0)
+  whole, _ = _value_and_grads(obj.replace(token_keep=1.0), out)
+  assert abs(got - whole) > 1e-3  # the selection really changes the term
+  full, _ = _value_and_grads(Objective(gamma=0.5, token_weight=1.0, token_margin=True, token_group=group), out)
+  np.testing.assert_allclose(whole, full, rtol=1e-6)
+
+
 def test_token_weight_zero_is_exactly_the_hn_loss_and_asks_for_no_tokens():
   out = _outputs(2)
   obj = Objective(gamma=0.5, token_weight=0.0)

@@ -52,6 +52,17 @@ def test_token_groups_match_one_device():
     assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (layout, r)
 
 
+@group("token")
+def test_token_keep_matches_one_device():
+  """config.loss.token_keep=0.5 (half of each example's tokens, chosen before anything is sent): the one-device loss
+  and gradients with the gather and the ring schedule and with accumulation; the selection changes the term."""
+  checks = section("token")
+  assert checks["token_keep_differs"] > 1e-3
+  assert len(checks["token_keep_layouts"]) == 3
+  for layout, r in checks["token_keep_layouts"].items():
+    assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (layout, r)
+
+
 @group("ring")
 def test_ring_schedule_every_layout_matches_one_device():
   """config.loss.token_schedule="ring": caption-token tiles passed around the batch axes (its own custom VJP sends
