@@ -35,7 +35,7 @@ from hnclip_jax.config import TOKEN_SETTINGS
 from hnclip_jax.frameworks.base import Context
 
 # Outputs without a batch dimension (everything else in an outputs dict is [B, ...]).
-GLOBAL_OUTPUTS = ("scale",)
+GLOBAL_OUTPUTS = ("scale", "bias")
 
 
 @dataclasses.dataclass(frozen=True)

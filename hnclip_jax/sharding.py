@@ -19,7 +19,8 @@ BATCH_AXES = ("data", "fsdp")  # the global batch is split over these
 DEFAULT_RULES = "embed=fsdp,heads=tensor,mlp=tensor,vocab=tensor"
 
 # The towers' top-level modules (models/clip.py CLIP); any other top-level module is a framework's part.
-CORE_MODULES = ("patch_embed", "ln_pre", "vision", "ln_post", "token_embedding", "text", "ln_final")
+CORE_MODULES = ("patch_embed", "ln_pre", "vision", "ln_post", "vision_head", "token_embedding", "text", "ln_final",
+                "text_head")
 
 # (regex on the "/"-joined parameter path, logical axis per dimension); first match wins.
 # "norm" and None are never sharded (small vectors are not worth a collective).
@@ -46,8 +47,10 @@ LOGICAL_AXES = (
     (r"patch_embed/kernel$", (None, None, None, "embed")),
     (r"(vision|text)_positions$", (None, "embed")),
     (r"(visual|text)_(token_)?projection$", ("embed", None)),
+    (r"^text_head/kernel$", ("embed", None)),  # SigLIP's text head (its projection)
+    (r"^vision_head/probe$", "replicated"),  # SigLIP's attention-pooling query
     (r"token_embedding/embedding$", ("vocab", "embed")),
-    (r"(bias|scale|class_embedding|logit_scale)$", "replicated"),
+    (r"(bias|scale|class_embedding|logit_scale|logit_bias)$", "replicated"),
 )
 
 

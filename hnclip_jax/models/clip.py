@@ -1,4 +1,7 @@
-"""OpenAI-CLIP dual encoder in Flax NNX: ViT image tower + causal text transformer.
+"""CLIP dual encoders in Flax NNX: OpenAI CLIP (ViT image tower with a class token + causal text transformer
+pooled at the end-of-text token) and SigLIP (ViT without a class token pooled by an attention-pooling head +
+bidirectional text transformer pooled at its last position through a dense head, and a learned logit bias), one
+module selected by `CLIPConfig.family`, so adapters, sharding rules, frameworks and checkpoints treat both alike.
 
 Parameters are Flax `nnx.Param`s; the trainer works with their pure-dict form
 (`split_params`) and rebuilds the module inside jit with `nnx.merge`.
@@ -47,9 +50,17 @@ class CLIPConfig:
   text_layers: int = 2
   text_heads: int = 4
   text_mlp_dim: int = 512
-  eot_token_id: int = 49407  # text is pooled at the first occurrence of this id
-  act: str = "quick_gelu"  # "quick_gelu" (OpenAI) or "gelu"
+  eot_token_id: int = 49407  # CLIP pools text at the first occurrence of this id; real tokens end there (both families)
+  act: str = "quick_gelu"  # "quick_gelu" (OpenAI), "gelu" or "gelu_tanh" (SigLIP's gelu_pytorch_tanh)
   ln_eps: float = 1e-5
+  # "clip": OpenAI CLIP (class token, pre-LN on the patches, causal text pooled at eot_token_id, bias-free
+  # projections). "siglip": transformers.SiglipModel (no class token, patch conv with a bias, attention-pooling
+  # "MAP" head whose output is the image embedding (embed_dim = vision_width), bidirectional text pooled at the
+  # last position through a dense head with a bias).
+  family: str = "clip"
+  # A learned logit bias b next to the logit scale (the sigmoid loss: z = t·cos + b). SigLIP checkpoints carry one;
+  # a fresh one starts at -10 and, for the siglip family, t at log 10 (SigLIP's initialisation).
+  logit_bias: bool = False
   dtype: str = "float32"  # compute dtype; parameters are always fp32
   remat: str = "none"  # rematerialise each transformer block in the backward pass: "none" | "full" | "dots"
   # How attention is computed (see ATTENTION_IMPLS): "auto", "einsum", "xla" or "cudnn" (NVIDIA GPU, bf16).
@@ -108,6 +119,11 @@ class CLIPConfig:
                        "fp32 kernel); use attention='auto' or 'xla' for fp32")
     if self.token_projection not in TOKEN_PROJECTIONS:
       raise ValueError(f"config.model.token_projection={self.token_projection!r}; choose one of {TOKEN_PROJECTIONS}")
+    if self.family not in FAMILIES:
+      raise ValueError(f"config.model.family={self.family!r}; choose one of {FAMILIES}")
+    if self.family == "siglip" and self.embed_dim != self.vision_width:
+      raise ValueError(f"config.model.embed_dim={self.embed_dim} must equal vision_width={self.vision_width} for "
+                       "family='siglip' (the attention-pooling head's output is the image embedding)")
     if self.act not in ACTIVATIONS:
       raise ValueError(f"config.model.act={self.act!r}; choose one of {sorted(ACTIVATIONS)}")
     if not 0 <= self.adapter_dropout < 1:
@@ -129,6 +145,7 @@ class CLIPConfig:
 
 
 TOKEN_PROJECTIONS = ("shared", "separate")
+FAMILIES = ("clip", "siglip")
 ADAPTERS = ("none", "lora", "dora")
 
 
@@ -222,7 +239,8 @@ def quick_gelu(x):
   return x * jax.nn.sigmoid(1.702 * x)
 
 
-ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
+ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+               "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 # "full": keep only each block's input, recompute the rest; "dots": also keep matmul outputs (no batch dims).
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims}
@@ -258,6 +276,25 @@ PRESETS = {
 }
 
 
+def _siglip(width, layers, heads, mlp, image, patch, vocab=32000, context=64):
+  """A SigLIP size (transformers' SiglipModel; SigLIP's SentencePiece vocabulary, 64 text positions, "</s>" = 1)."""
+  return CLIPConfig(family="siglip", logit_bias=True, embed_dim=width, image_size=image, patch_size=patch,
+                    vision_width=width, vision_layers=layers, vision_heads=heads, vision_mlp_dim=mlp,
+                    text_context=context, vocab_size=vocab, text_width=width, text_layers=layers, text_heads=heads,
+                    text_mlp_dim=mlp, eot_token_id=1, act="gelu_tanh", ln_eps=1e-6)
+
+
+# SigLIP's published sizes (SigLIP 2's fixed-resolution checkpoints have the same towers with Gemma's 256k
+# vocabulary: set model.vocab_size from the tokenizer). "tiny_siglip" is the CPU demo size.
+PRESETS.update({
+    "tiny_siglip": dataclasses.replace(_siglip(128, 2, 4, 512, 64, 8, vocab=49408, context=77), eot_token_id=49407),
+    "siglip_b16_224": _siglip(768, 12, 12, 3072, 224, 16),
+    "siglip_b16_256": _siglip(768, 12, 12, 3072, 256, 16),
+    "siglip_l16_256": _siglip(1024, 24, 16, 4096, 256, 16),
+    "siglip_so400m14_384": _siglip(1152, 27, 16, 4304, 384, 14),
+})
+
+
 class Attention(nnx.Module):
   """Multi-head self-attention with separate q/k/v projections (the Hugging Face layout)."""
 
@@ -279,6 +316,21 @@ class Attention(nnx.Module):
     b = x.shape[0] // l
     split = lambda t: t.reshape(b, l, self.heads, w // self.heads)
     q, k, v = (split(_apply(layer, x, _key(rng, j))) for j, layer in enumerate((self.q, self.k, self.v)))
+    return self._attend(q, k, v, causal, rng).reshape(shape)
+
+  def pool(self, query, x, rng=None):
+    """Attention pooling: query [W] (one learned probe) against x [B, L, W] -> [B, W] (SigLIP's MAP head)."""
+    b, l, w = x.shape
+    flat = x.reshape(b * l, w)
+    q = _apply(self.q, query[None].astype(x.dtype), _key(rng, 0))  # [1, W]: the same for every example
+    q = jnp.broadcast_to(q.reshape(1, 1, self.heads, w // self.heads), (b, 1, self.heads, w // self.heads))
+    k, v = (_apply(layer, flat, _key(rng, j)).reshape(b, l, self.heads, w // self.heads)
+            for j, layer in ((1, self.k), (2, self.v)))
+    return self._attend(q, k, v, False, rng).reshape(b, w)
+
+  def _attend(self, q, k, v, causal, rng):
+    """[B, Lq, H, D] queries against [B, L, H, D] keys/values -> the output projection's [B*Lq, W]."""
+    b, lq, h, d = q.shape
     impl = self.implementation
     if impl == "auto":  # decided when traced, for the backend the program is compiled for
       impl = None if jax.default_backend() == "gpu" else "einsum"
@@ -286,7 +338,7 @@ class Attention(nnx.Module):
       o = einsum_attention(q, k, v, causal)
     else:
       o = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
-    return _apply(self.out, o.reshape(b * l, w), _key(rng, 3)).reshape(shape)
+    return _apply(self.out, o.reshape(b * lq, h * d), _key(rng, 3))
 
 
 class Block(nnx.Module):
@@ -306,6 +358,28 @@ class Block(nnx.Module):
   def __call__(self, x, causal, length=None, rng=None):
     x = x + self.attn(self.ln1(x), causal, length, _key(rng, 0))
     return x + _apply(self.fc2, self.act(_apply(self.fc1, self.ln2(x), _key(rng, 1))), _key(rng, 2))
+
+
+class MAPHead(nnx.Module):
+  """SigLIP's multihead attention-pooling head: a learned probe attends over the tokens, then a residual MLP on
+  the pooled vector: y = a + mlp(ln(a)), a = attn(probe, x, x). Its dense layers are named like a block's
+  ("vision_head/attn/q", "vision_head/fc1"), so adapters and sharding rules treat them alike."""
+
+  def __init__(self, width, heads, mlp_dim, act, eps, *, dtype, rngs, attention="auto", dense=None,
+               prefix="vision_head"):
+    dense = dense or dense_factory(None, dtype, rngs)
+    self.probe = nnx.Param(nnx.initializers.normal(width ** -0.5)(rngs.params(), (width,)))
+    self.attn = Attention(width, heads, dtype=dtype, rngs=rngs, implementation=attention, dense=dense,
+                          prefix=f"{prefix}/attn")
+    self.ln = nnx.LayerNorm(width, epsilon=eps, dtype=dtype, rngs=rngs)
+    init = nnx.initializers.normal((2 * width) ** -0.5)
+    self.fc1 = dense(f"{prefix}/fc1", width, mlp_dim, init)
+    self.fc2 = dense(f"{prefix}/fc2", mlp_dim, width, init)
+    self.act = ACTIVATIONS[act]
+
+  def __call__(self, x, rng=None):  # [B, L, W] -> [B, W]
+    a = self.attn.pool(self.probe[...], x, _key(rng, 0))
+    return a + _apply(self.fc2, self.act(_apply(self.fc1, self.ln(a), _key(rng, 1))), _key(rng, 2))
 
 
 class Transformer(nnx.Module):
@@ -366,20 +440,28 @@ class CLIP(nnx.Module):
     self.cfg = cfg
     dt = jnp.dtype(cfg.dtype)
     vw, tw = cfg.vision_width, cfg.text_width
+    siglip = cfg.family == "siglip"
     n_patches = (cfg.image_size // cfg.patch_size) ** 2
     normal = lambda std: nnx.initializers.normal(std)
+    dense = dense_factory(cfg, dt, rngs)
     # Image tower.
     self.patch_embed = nnx.Conv(3, vw, kernel_size=(cfg.patch_size,) * 2, strides=(cfg.patch_size,) * 2,
-                                padding="VALID", use_bias=False, dtype=dt, rngs=rngs)
-    self.class_embedding = nnx.Param(normal(vw ** -0.5)(rngs.params(), (vw,)))
-    self.vision_positions = nnx.Param(normal(vw ** -0.5)(rngs.params(), (n_patches + 1, vw)))
-    self.ln_pre = nnx.LayerNorm(vw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
-    dense = dense_factory(cfg, dt, rngs)
+                                padding="VALID", use_bias=siglip, dtype=dt, rngs=rngs)
+    if siglip:
+      self.vision_positions = nnx.Param(normal(vw ** -0.5)(rngs.params(), (n_patches, vw)))
+    else:
+      self.class_embedding = nnx.Param(normal(vw ** -0.5)(rngs.params(), (vw,)))
+      self.vision_positions = nnx.Param(normal(vw ** -0.5)(rngs.params(), (n_patches + 1, vw)))
+      self.ln_pre = nnx.LayerNorm(vw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
     self.vision = Transformer(vw, cfg.vision_layers, cfg.vision_heads, cfg.vision_mlp_dim, cfg.act, cfg.ln_eps,
                               dtype=dt, rngs=rngs, remat=cfg.remat, attention=cfg.attention, dense=dense,
                               prefix="vision")
     self.ln_post = nnx.LayerNorm(vw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
-    self.visual_projection = nnx.Param(normal(vw ** -0.5)(rngs.params(), (vw, cfg.embed_dim)))
+    if siglip:
+      self.vision_head = MAPHead(vw, cfg.vision_heads, cfg.vision_mlp_dim, cfg.act, cfg.ln_eps, dtype=dt, rngs=rngs,
+                                 attention=cfg.attention, dense=dense)
+    else:
+      self.visual_projection = nnx.Param(normal(vw ** -0.5)(rngs.params(), (vw, cfg.embed_dim)))
     # Text tower.
     self.token_embedding = nnx.Embed(cfg.vocab_size, tw, embedding_init=normal(0.02), dtype=dt, rngs=rngs)
     self.text_positions = nnx.Param(normal(0.01)(rngs.params(), (cfg.text_context, tw)))
@@ -387,13 +469,21 @@ class CLIP(nnx.Module):
                             dtype=dt, rngs=rngs, remat=cfg.remat, attention=cfg.attention, dense=dense,
                             prefix="text")
     self.ln_final = nnx.LayerNorm(tw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
-    self.text_projection = nnx.Param(normal(tw ** -0.5)(rngs.params(), (tw, cfg.embed_dim)))
-    self.logit_scale = nnx.Param(jnp.asarray(math.log(1 / 0.07), jnp.float32))
+    if siglip:  # a dense layer with a bias (not an adapter target: it is the tower's projection)
+      self.text_head = nnx.Linear(tw, cfg.embed_dim, kernel_init=normal(tw ** -0.5), dtype=dt, rngs=rngs)
+    else:
+      self.text_projection = nnx.Param(normal(tw ** -0.5)(rngs.params(), (tw, cfg.embed_dim)))
+    self.logit_scale = nnx.Param(jnp.asarray(math.log(10.0 if siglip else 1 / 0.07), jnp.float32))
+    if cfg.logit_bias:
+      self.logit_bias = nnx.Param(jnp.asarray(-10.0, jnp.float32))
     if cfg.parts:
       for name, module in model_parts_function(cfg.parts)(cfg, dict(cfg.part_settings),
                                                           nnx.Rngs(rngs.params())).items():
         setattr(self, name, module)
     if cfg.token_projection == "separate":
+      if siglip:
+        raise ValueError("config.model.token_projection='separate' is for family='clip' (SigLIP's tokens go through "
+                         "the towers' own final norms and heads); use 'shared'")
       self.visual_token_projection = nnx.Param(jnp.array(self.visual_projection[...]))
       self.text_token_projection = nnx.Param(jnp.array(self.text_projection[...]))
 
@@ -410,15 +500,26 @@ class CLIP(nnx.Module):
     x = self.patch_embed(pixels.astype(dt))  # [B, h, w, W]
     b = x.shape[0]
     x = x.reshape(b, -1, x.shape[-1])
+    if self.cfg.family == "siglip":  # no class token, no pre-LN; the MAP head pools the normalised tokens
+      x = x + self.vision_positions[...].astype(dt)
+      h, kept = self._run(self.vision, x, False, token_layer, rng)
+      pooled = self.vision_head(self.ln_post(h), _key(rng, 1 << 20))
+      return pooled, (None if kept is None else self.ln_post(kept)), h
     cls = jnp.broadcast_to(self.class_embedding[...].astype(dt), (b, 1, x.shape[-1]))
     x = jnp.concatenate([cls, x], axis=1) + self.vision_positions[...].astype(dt)
     proj = self.visual_projection[...].astype(dt)
-    if token_layer is None:
-      x = self.vision(self.ln_pre(x), causal=False, rng=rng)
+    x, kept = self._run(self.vision, self.ln_pre(x), False, token_layer, rng)
+    if kept is None:
       return self.ln_post(x[:, 0]) @ proj, None, x
-    x, kept = self.vision(self.ln_pre(x), causal=False, keep=token_layer, rng=rng)
     tok_proj = self.visual_token_projection[...].astype(dt) if self.cfg.token_projection == "separate" else proj
     return self.ln_post(x[:, 0]) @ proj, self.ln_post(kept) @ tok_proj, x
+
+  @staticmethod
+  def _run(transformer, x, causal, token_layer, rng):
+    """(last block's output, block `token_layer`'s output or None)."""
+    if token_layer is None:
+      return transformer(x, causal=causal, rng=rng), None
+    return transformer(x, causal=causal, keep=token_layer, rng=rng)
 
   def text_tower(self, tokens, token_layer: int | None = None, rng=None):
     """tokens [B, L] int -> (pooled [B, E] at the first end-of-text token, tokens [B, L, E] or None), projected and
@@ -435,13 +536,14 @@ class CLIP(nnx.Module):
     dt = jnp.dtype(self.cfg.dtype)
     length = tokens.shape[1]
     x = self.token_embedding(tokens) + self.text_positions[...][:length].astype(dt)
-    proj = self.text_projection[...].astype(dt)
-    if token_layer is None:
-      h, kept = self.text(x, causal=True, rng=rng), None
-    else:
-      h, kept = self.text(x, causal=True, keep=token_layer, rng=rng)
+    siglip = self.cfg.family == "siglip"
+    h, kept = self._run(self.text, x, not siglip, token_layer, rng)
     x = self.ln_final(h)
+    if siglip:  # the last position (SigLIP pads to the full length), through the dense head
+      pooled = self.text_head(x[:, -1])
+      return pooled, (None if kept is None else self.text_head(self.ln_final(kept))), h
     pooled = jnp.take_along_axis(x, self.eot_positions(tokens)[:, None, None], axis=1)[:, 0]
+    proj = self.text_projection[...].astype(dt)
     if kept is None:
       return pooled @ proj, None, h
     tok_proj = self.text_token_projection[...].astype(dt) if self.cfg.token_projection == "separate" else proj
@@ -466,6 +568,10 @@ class CLIP(nnx.Module):
     """The multiplier s = exp(logit_scale). Not clamped here: the parameter is clamped after each update."""
     return jnp.exp(self.logit_scale[...].astype(jnp.float32))
 
+  def bias(self):
+    """The sigmoid loss's logit bias b (models with `logit_bias`)."""
+    return self.logit_bias[...].astype(jnp.float32)
+
   def __call__(self, pixels, tokens, *, token_layer: int | None = None, image_cls_token: bool = False,
                dropout_rng=None):
     """The training forward pass: pixels [B, H, W, 3], tokens [B, L] -> outputs dict (`forward`'s first half)."""
@@ -476,8 +582,8 @@ class CLIP(nnx.Module):
               dropout_rng=None):
     """The training forward pass: pixels [B, H, W, 3], tokens [B, L] -> (outputs dict, hidden).
 
-    Always: "img", "txt" [B, E] L2-normalised fp32 and "scale" (s, a scalar: the only entry without a batch
-    dimension). With `token_layer` (what a token-level loss term asks for): "img_tokens" [B, P, E] (P patches, or
+    Always: "img", "txt" [B, E] L2-normalised fp32 and "scale" (s, a scalar), and with `logit_bias` "bias" (b, a
+    scalar): the only entries without a batch dimension. With `token_layer` (what a token-level loss term asks for): "img_tokens" [B, P, E] (P patches, or
     1+P with `image_cls_token`) and "txt_tokens" [B, L, E], L2-normalised per token, in the compute dtype, and
     "txt_mask" [B, L] bool, True on the real tokens (start through the first end-of-text, never padding).
     hidden: {"image": [B, 1+P, W], "text": [B, L, W]}, the towers' last-block outputs (before the final LayerNorm),
@@ -490,11 +596,15 @@ class CLIP(nnx.Module):
     img, img_tok, img_hidden = self._image_tower(pixels, token_layer, _key(dropout_rng, 0))
     txt, txt_tok, txt_hidden = self._text_tower(tokens, token_layer, _key(dropout_rng, 1))
     out = {"img": _l2_normalize(img), "txt": _l2_normalize(txt), "scale": self.scale()}
+    if self.cfg.logit_bias:
+      out["bias"] = self.bias()
     hidden = {"image": img_hidden, "text": txt_hidden}
     if token_layer is not None:
       hidden.update(image_tokens=img_tok, text_tokens=txt_tok)
       dt = jnp.dtype(self.cfg.dtype)
-      if not image_cls_token:
+      if image_cls_token and self.cfg.family == "siglip":
+        raise ValueError("config.loss.token_image_cls=True: a SigLIP image tower has no class token; set it False")
+      if not image_cls_token and self.cfg.family != "siglip":
         img_tok = img_tok[:, 1:]
       out["img_tokens"] = _l2_normalize(img_tok).astype(dt)
       out["txt_tokens"] = _l2_normalize(txt_tok).astype(dt)

@@ -1,4 +1,5 @@
-"""Read CLIP weights from Hugging Face and OpenAI/Long-CLIP checkpoints into this project's params layout.
+"""Read CLIP weights from Hugging Face (CLIPModel, SiglipModel) and OpenAI/Long-CLIP checkpoints into this
+project's params layout.
 
 Both readers return (CLIPConfig, params) with params a pure dict of NumPy fp32
 arrays shaped like `hnclip_jax.models.init_params`. The architecture is read
@@ -51,18 +52,21 @@ def _norm(sd, name):
 
 
 def _hf_act(name, where):
-  acts = {"quick_gelu": "quick_gelu", "gelu": "gelu"}
+  acts = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
   if name not in acts:
-    raise ValueError(f"{where}: hidden_act={name!r} is not supported (quick_gelu or gelu)")
+    raise ValueError(f"{where}: hidden_act={name!r} is not supported ({', '.join(acts)})")
   return acts[name]
 
 
 def hf_config(config_json: str) -> CLIPConfig:
+  """CLIPConfig from a transformers CLIPModel or SiglipModel config.json."""
   with open(config_json) as f:
     c = json.load(f)
+  if c.get("model_type") == "siglip":
+    return hf_siglip_config(c, config_json)
   if c.get("model_type") not in ("clip", None) or "vision_config" not in c or "text_config" not in c:
-    raise ValueError(f"{config_json}: not a CLIP config (model_type={c.get('model_type')!r}); expected a "
-                     "transformers CLIPModel directory")
+    raise ValueError(f"{config_json}: not a CLIP or SigLIP config (model_type={c.get('model_type')!r}); expected a "
+                     "transformers CLIPModel or SiglipModel directory")
   v, t = c["vision_config"], c["text_config"]
   act_v, act_t = _hf_act(v.get("hidden_act", "quick_gelu"), config_json), _hf_act(t.get("hidden_act", "quick_gelu"),
                                                                                 config_json)
@@ -81,6 +85,69 @@ def hf_config(config_json: str) -> CLIPConfig:
       eot_token_id=eos, act=act_v, ln_eps=v.get("layer_norm_eps", 1e-5)).validate()
 
 
+SIGLIP_EOS = 1  # "</s>" in SigLIP's SentencePiece vocabulary and Gemma's (SigLIP 2)
+
+
+def hf_siglip_config(c: dict, where: str) -> CLIPConfig:
+  """CLIPConfig(family="siglip") from a transformers SiglipModel config.json (SigLIP and fixed-resolution SigLIP 2
+  checkpoints; defaults as transformers' SiglipVisionConfig / SiglipTextConfig)."""
+  v, t = c.get("vision_config", {}), c.get("text_config", {})
+  act_v, act_t = (_hf_act(x.get("hidden_act", "gelu_pytorch_tanh"), where) for x in (v, t))
+  if act_v != act_t:
+    raise ValueError(f"{where}: the towers use different activations ({act_v}, {act_t}); not supported")
+  if not v.get("vision_use_head", True):
+    raise ValueError(f"{where}: vision_use_head=false (no attention-pooling head, so no image embedding); "
+                     "use a SiglipModel checkpoint")
+  eps_v, eps_t = v.get("layer_norm_eps", 1e-6), t.get("layer_norm_eps", 1e-6)
+  if eps_v != eps_t:
+    raise ValueError(f"{where}: the towers use different layer_norm_eps ({eps_v}, {eps_t}); not supported")
+  width = v.get("hidden_size", 768)
+  projection = t.get("projection_size") or t.get("hidden_size", 768)
+  if projection != width:
+    raise ValueError(f"{where}: text projection_size={projection} differs from the vision hidden_size={width}; "
+                     "the embeddings could not be compared")
+  vocab = t.get("vocab_size", 32000)
+  eos = t.get("eos_token_id", SIGLIP_EOS)
+  if not isinstance(eos, int) or not 0 <= eos < vocab:  # transformers' default 49407 is not a SigLIP id
+    eos = SIGLIP_EOS
+  return CLIPConfig(
+      family="siglip", logit_bias=True, embed_dim=width, image_size=v.get("image_size", 224),
+      patch_size=v.get("patch_size", 16), vision_width=width, vision_layers=v.get("num_hidden_layers", 12),
+      vision_heads=v.get("num_attention_heads", 12), vision_mlp_dim=v.get("intermediate_size", 3072),
+      text_context=t.get("max_position_embeddings", 64), vocab_size=vocab, text_width=t.get("hidden_size", 768),
+      text_layers=t.get("num_hidden_layers", 12), text_heads=t.get("num_attention_heads", 12),
+      text_mlp_dim=t.get("intermediate_size", 3072), eot_token_id=eos, act=act_v, ln_eps=eps_v).validate()
+
+
+def hf_siglip_params(sd: dict, cfg: CLIPConfig, where: str) -> dict:
+  ln = lambda name: _norm(sd, name)
+  lin = lambda name: _linear(sd, name)
+  try:
+    h = "vision_model.head."
+    w, b = sd[h + "attention.in_proj_weight"], sd[h + "attention.in_proj_bias"]  # torch MultiheadAttention: [3W, W]
+    width = w.shape[1]
+    qkv = {k: {"kernel": w[j * width:(j + 1) * width].T, "bias": b[j * width:(j + 1) * width]}
+           for j, k in enumerate("qkv")}
+    return {
+        "patch_embed": {"kernel": sd["vision_model.embeddings.patch_embedding.weight"].transpose(2, 3, 1, 0),
+                        "bias": sd["vision_model.embeddings.patch_embedding.bias"]},
+        "vision_positions": sd["vision_model.embeddings.position_embedding.weight"],
+        "vision": {"blocks": _hf_blocks(sd, "vision_model", cfg.vision_layers)},
+        "ln_post": ln("vision_model.post_layernorm"),
+        "vision_head": {"probe": sd[h + "probe"].reshape(-1), "attn": qkv | {"out": lin(h + "attention.out_proj")},
+                        "ln": ln(h + "layernorm"), "fc1": lin(h + "mlp.fc1"), "fc2": lin(h + "mlp.fc2")},
+        "token_embedding": {"embedding": sd["text_model.embeddings.token_embedding.weight"]},
+        "text_positions": sd["text_model.embeddings.position_embedding.weight"],
+        "text": {"blocks": _hf_blocks(sd, "text_model", cfg.text_layers)},
+        "ln_final": ln("text_model.final_layer_norm"),
+        "text_head": lin("text_model.head"),
+        "logit_scale": sd["logit_scale"].reshape(()),
+        "logit_bias": sd["logit_bias"].reshape(()),
+    }
+  except KeyError as e:
+    raise ValueError(f"{where}: weight {e.args[0]!r} is missing; is this a transformers SiglipModel checkpoint?") from e
+
+
 def _hf_blocks(sd, prefix, layers):
   out = {}
   for i in range(layers):
@@ -93,6 +160,8 @@ def _hf_blocks(sd, prefix, layers):
 
 
 def hf_params(sd: dict, cfg: CLIPConfig, where: str) -> dict:
+  if cfg.family == "siglip":
+    return hf_siglip_params(sd, cfg, where)
   ln = lambda name: _norm(sd, name)
   try:
     return {
@@ -233,7 +302,7 @@ def read_safetensors(path: str) -> dict:
 
 
 def read_hf_directory(directory: str):
-  """(CLIPConfig, params) from a transformers CLIPModel directory."""
+  """(CLIPConfig, params) from a transformers CLIPModel or SiglipModel directory."""
   config_json = os.path.join(directory, "config.json")
   if not os.path.exists(config_json):
     raise FileNotFoundError(f"{directory}: no config.json; a Hugging Face CLIP directory needs config.json and "
