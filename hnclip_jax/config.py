@@ -86,7 +86,13 @@ def base_config() -> ml_collections.ConfigDict:
   #   (paper Eq. 3); f < 1 = each image's ceil(f·P) patches and each caption's ceil(f·n) of its n real tokens most
   #   similar to the example's own global embedding, chosen before anything is sent: about f² of the term's work
   #   and f of its memory and collectives, on any mesh and schedule.
-  c.loss = ml_collections.ConfigDict({"gamma": 0.5, "negatives": "global_batch", "chunk_size": 0,
+  # kind: the global term: "softmax" (HN-CLIP, paper Eq. 2) or "sigmoid" (HN-SigLIP: SigLIP's pairwise sigmoid loss
+  #   with learned t and b, the margin γ·Ḡ added to every negative's logit before t and b; docs/objective.md). The
+  #   model needs a logit bias (SigLIP checkpoints and presets have one; or config.model.logit_bias=True).
+  # sigmoid_schedule: how the sigmoid loss meets every caption on a mesh: "ring" (big_vision's chunked schedule:
+  #   caption chunks passed around the batch axes with ppermute) or "gather" (all-gather the captions).
+  c.loss = ml_collections.ConfigDict({"kind": "softmax", "sigmoid_schedule": "ring",
+                                      "gamma": 0.5, "negatives": "global_batch", "chunk_size": 0,
                                       "token_weight": 0.0, "token_layer": -1, "token_image_cls": False,
                                       "token_logit_scale": 0.0, "token_margin": False, "token_schedule": "gather",
                                       "token_group": 0, "token_keep": 1.0})
@@ -201,6 +207,20 @@ def _normalised(v):
   return tuple(v) if isinstance(v, (list, tuple)) else v
 
 
+LOSS_KINDS = ("softmax", "sigmoid")
+
+
+def check_loss_kind(config) -> None:
+  loss, defaults = config.loss, base_config().loss
+  if loss.kind not in LOSS_KINDS:
+    raise ValueError(f"config.loss.kind={loss.kind!r}; choose one of {list(LOSS_KINDS)}")
+  if loss.sigmoid_schedule not in TOKEN_SCHEDULES:
+    raise ValueError(f"config.loss.sigmoid_schedule={loss.sigmoid_schedule!r}; choose one of {list(TOKEN_SCHEDULES)}")
+  if loss.kind != "sigmoid" and loss.sigmoid_schedule != defaults.sigmoid_schedule:
+    raise ValueError(f"config.loss.sigmoid_schedule={loss.sigmoid_schedule!r} set, but config.loss.kind="
+                     f"{loss.kind!r}: it applies to the sigmoid loss only. Set kind='sigmoid', or drop it")
+
+
 def check_token_settings(config) -> None:
   """The token term's settings with the term off (config.loss.token_weight = 0) would do nothing: refused by name,
   except those the chosen framework reads itself (its LOSS_SETTINGS, e.g. the layer its token modules read)."""
@@ -301,6 +321,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                       **{k: config[k] for k in RUNTIME_FIELDS}).validate()
   adapter_fields(config)  # config.finetune.* checked here too
   framework_fields(config)  # config.framework and the frameworks' blocks too
+  check_loss_kind(config)
   check_token_settings(config)
   if config.on_nonfinite not in ("error", "skip"):
     raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; choose 'error' or 'skip'")

@@ -35,8 +35,9 @@ def margin_stats(txt, mesh, axes=sharding.BATCH_AXES):
 
 
 def _pairs(objective: Objective):
-  """The run's objective and the same objective with plain InfoNCE as its global term (γ = 0)."""
-  return (("hn", objective), ("infonce", objective.replace(gamma=0.0)))
+  """The run's objective and the same objective with its plain global term (γ = 0): "infonce" for the softmax
+  loss, "siglip" for the sigmoid loss."""
+  return (("hn", objective), (objective.plain_name, objective.replace(gamma=0.0)))
 
 
 def make_batch_diagnostics(graphdef, mesh, objective: Objective, accum_steps: int = 1,
@@ -74,14 +75,16 @@ def make_gradient_comparison(graphdef, mesh, objective: Objective, param_shardin
   steps only."""
   grad_fns = {name: train_step.make_grad_fn(graphdef, mesh, obj, accum_steps, negatives) for name, obj in _pairs(objective)}
 
+  plain = objective.plain_name
+
   def compare(params, batch):
-    hn, nce = (grad_fns[name](params, batch)[1] for name in ("hn", "infonce"))
+    hn, nce = (grad_fns[name](params, batch)[1] for name in ("hn", plain))
     dot = sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(hn), jax.tree.leaves(nce)))
     n_hn, n_nce = optax.tree.norm(hn), optax.tree.norm(nce)
-    return {"diag/hn/param_grad_norm": n_hn, "diag/infonce/param_grad_norm": n_nce,
+    return {"diag/hn/param_grad_norm": n_hn, f"diag/{plain}/param_grad_norm": n_nce,
             "diag/hn/param_grad_zero": (n_hn == 0).astype(jnp.float32),
-            "diag/infonce/param_grad_zero": (n_nce == 0).astype(jnp.float32),
-            "diag/grad_norm_ratio_hn_over_infonce": n_hn / jnp.maximum(n_nce, 1e-38),
+            f"diag/{plain}/param_grad_zero": (n_nce == 0).astype(jnp.float32),
+            f"diag/grad_norm_ratio_hn_over_{plain}": n_hn / jnp.maximum(n_nce, 1e-38),
             "diag/grad_cosine": dot / jnp.maximum(n_hn * n_nce, 1e-38)}
 
   batch_sh = sharding.batch_sharding(mesh)

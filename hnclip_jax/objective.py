@@ -43,6 +43,12 @@ class Objective:
   """w_g·L_HN(γ) + λ·L_tok + the framework's terms. Fields mirror config.loss (hnclip_jax/config.py,
   docs/objective.md)."""
   gamma: float = 0.5
+  # The global term: "softmax" (HN-CLIP, paper Eq. 2: cross-entropy both ways) or "sigmoid" (HN-SigLIP: SigLIP's
+  # pairwise sigmoid loss with the margin on every negative's logit; the model needs its logit bias b).
+  kind: str = "softmax"
+  # How the sigmoid loss meets every caption on a mesh: "ring" (big_vision's chunked schedule: caption chunks
+  # passed around the batch axes, no [B, D] gather) or "gather".
+  sigmoid_schedule: str = "ring"
   token_weight: float = 0.0  # λ; 0 turns the token term (and the token outputs) off
   chunk_size: int = 0  # rows per device computed at a time (0: all rows for L_HN, losses.TOKEN_BLOCK for L_tok)
   token_layer: int = -1  # which transformer block's tokens (-1: the last), through the tower's final LN + projection
@@ -65,7 +71,11 @@ class Objective:
     token_weight = float(loss_cfg.token_weight)
     read = TOKEN_SETTINGS if token_weight > 0 else (frameworks.loss_settings(config) if config is not None else ())
     token = {f.name: type(f.default)(loss_cfg[f.name]) for f in dataclasses.fields(cls) if f.name in read}
-    obj = cls(gamma=float(loss_cfg.gamma), token_weight=token_weight, chunk_size=int(loss_cfg.chunk_size), **token)
+    kind = str(loss_cfg.get("kind", "softmax"))
+    if kind == "sigmoid":  # read only where it applies (config.validate refuses it set otherwise)
+      token["sigmoid_schedule"] = str(loss_cfg.sigmoid_schedule)
+    obj = cls(gamma=float(loss_cfg.gamma), kind=kind, token_weight=token_weight,
+              chunk_size=int(loss_cfg.chunk_size), **token)
     if config is not None:
       obj = frameworks.objective_for(config, obj)
     return obj
@@ -73,6 +83,10 @@ class Objective:
   def check(self, model_cfg) -> None:
     """Raises naming the config key if this objective cannot run on `model_cfg` (before anything compiles)."""
     layers = min(model_cfg.vision_layers, model_cfg.text_layers)
+    if self.kind == "sigmoid" and not model_cfg.logit_bias:
+      raise ValueError("config.loss.kind='sigmoid' needs the model's learned logit bias b (z = t·cos + b): start "
+                       "from a SigLIP checkpoint or preset (they have one), or set config.model.logit_bias=True "
+                       "(a fresh b starts at -10)")
     for term in self.terms:
       term.check(model_cfg, self)
     if "token_layer" in self.model_kwargs and not -layers <= self.token_layer < layers:
@@ -82,6 +96,11 @@ class Objective:
 
   def replace(self, **changes) -> "Objective":
     return dataclasses.replace(self, **changes)
+
+  @property
+  def plain_name(self) -> str:
+    """What the global term is without the margin (γ = 0), for telemetry: "infonce" or "siglip"."""
+    return "siglip" if self.kind == "sigmoid" else "infonce"
 
   @property
   def needs_tokens(self) -> bool:
@@ -144,9 +163,14 @@ class Objective:
       gather = lambda x: jax.lax.all_gather(x, axes, axis=0, tiled=True)  # [n, ...] -> [B, ...]
       scale = out["scale"]
       img_all, txt_all = gather(out["img"]), gather(out["txt"])
-      i2t, t2i = self._global_rows(out["img"], out["txt"], img_all, txt_all, scale, offset)
-      terms = {"hn": jax.lax.psum(jnp.sum(i2t) + jnp.sum(t2i), axes) / (2 * batch)}
-      per = self.global_weight * 0.5 * (i2t + t2i)
+      if self.kind == "sigmoid":  # each pair its own binary problem; per example: its image's row sum
+        rows = self._sigmoid_rows(out, txt_all, offset, axes, batch // n)
+        terms = {"hn": jax.lax.psum(jnp.sum(rows), axes) / batch}
+        per = self.global_weight * rows
+      else:
+        i2t, t2i = self._global_rows(out["img"], out["txt"], img_all, txt_all, scale, offset)
+        terms = {"hn": jax.lax.psum(jnp.sum(i2t) + jnp.sum(t2i), axes) / (2 * batch)}
+        per = self.global_weight * 0.5 * (i2t + t2i)
       loss = self.global_weight * terms["hn"]
       if self.needs_tokens:
         tok_scale = scale if self.token_logit_scale == 0 else jnp.asarray(self.token_logit_scale, jnp.float32)
@@ -213,6 +237,25 @@ class Objective:
     split = lambda x: x.reshape(n // g, g, *x.shape[1:])
     i2t, t2i = jax.lax.map(group, tuple(split(out[k]) for k in ("img_tokens", "txt_tokens", "txt_mask", "txt")))
     return i2t.reshape(n), t2i.reshape(n)
+
+  def _sigmoid_rows(self, out, txt_all, offset, axes, num_devices):
+    """HN-SigLIP's per-example losses [n] for this device's images (their rows' sums over all captions)."""
+    img, txt, scale, bias = out["img"], out["txt"], out["scale"], out["bias"]
+    if self.sigmoid_schedule == "ring":
+      return losses.sigmoid_rows_ring(img, txt, scale, bias, self.gamma, offset, axes, num_devices)
+    n, chunk = img.shape[0], self.chunk_size
+    if not chunk or chunk >= n:
+      return losses.sigmoid_rows(img, txt, txt_all, scale, bias, self.gamma, offset)
+    if n % chunk:
+      raise ValueError(f"config.loss.chunk_size={chunk} must divide the per-device batch {n}")
+
+    @jax.checkpoint
+    def block(k, img_c, txt_c):
+      return losses.sigmoid_rows(img_c, txt_c, txt_all, scale, bias, self.gamma, offset + k * chunk)
+
+    split = lambda x: x.reshape(n // chunk, chunk, x.shape[-1])
+    _, rows = jax.lax.scan(lambda c, xs: (c, block(*xs)), None, (jnp.arange(n // chunk), split(img), split(txt)))
+    return rows.reshape(n)
 
   def _global_rows(self, img, txt, img_all, txt_all, scale, offset):
     """L_HN's per-example (i2t [n], t2i [n]) for this device's rows, `chunk_size` rows at a time if set."""

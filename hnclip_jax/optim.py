@@ -3,6 +3,8 @@ layer-wise decay), frozen parameters (config.finetune.freeze, LoRA / DoRA, the l
 clamp. Parameters are named by their key path ("vision/blocks/3/attn/q/kernel"), which the patterns match."""
 from __future__ import annotations
 
+import math
+
 import re
 
 import jax
@@ -161,7 +163,10 @@ def clamp_logit_scale(params: dict, upper: float = LOGIT_SCALE_PARAM_MAX) -> dic
 
 
 def logit_scale_max(config) -> float:
-  """The logit-scale parameter's upper clamp: ln 100 (OpenAI, open_clip), or the chosen framework's
+  """The logit-scale parameter's upper clamp: ln 100 (OpenAI, open_clip) for the softmax loss, none for the sigmoid
+  loss (big_vision does not clamp SigLIP's t), or the chosen framework's
   (`logit_scale_max(config)` in its module)."""
   own = frameworks.hook(config, "logit_scale_max")
-  return LOGIT_SCALE_PARAM_MAX if own is None else float(own(config))
+  if own is not None:
+    return float(own(config))
+  return math.inf if config.loss.get("kind", "softmax") == "sigmoid" else LOGIT_SCALE_PARAM_MAX

@@ -221,6 +221,8 @@ def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings, froze
     first = jnp.where((state["first_nonfinite_step"] < 0) & ~finite, state["step"] + 1, state["first_nonfinite_step"])
     metrics = {"loss": loss, "lr": schedule(state["step"]), "logit_scale": jnp.exp(state["params"][SCALE_PARAM]),
                "grad_norm": grad_norm, "nonfinite_steps": bad}
+    if "logit_bias" in state["params"]:
+      metrics["logit_bias"] = state["params"]["logit_bias"]
     if len(terms) > 1:
       metrics.update({f"loss/{k}": v for k, v in terms.items()})
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "nonfinite_steps": bad,

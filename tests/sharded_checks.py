@@ -365,8 +365,50 @@ def ring():
                                                      "collective_permutes": hlo.count("collective-permute")}
 
 
+def sigmoid():
+  """HN-SigLIP (config.loss.kind="sigmoid") on a SigLIP-family model: both schedules on every layout, accumulation
+  (global and micro-batch negatives) and row chunks equal one device; no device holds B×B logits or, under the
+  ring, the [B, D] captions."""
+  import dataclasses
+  model = init_params(dataclasses.replace(CFG, family="siglip", logit_bias=True, embed_dim=32, act="gelu_tanh"), 0)
+  kw = dict(model=model, kind="sigmoid")
+  ref = grads_on((1, 1, 1), sigmoid_schedule="gather", **kw)
+  plain = grads_on((1, 1, 1), sigmoid_schedule="gather", gamma=0.0, **kw)
+  out["sigmoid_margin_differs"] = abs(ref[0] - plain[0]) / plain[0]
+  out["sigmoid_bias_grad"] = float(np.abs(ref[1]["logit_bias"]))
+  out["sigmoid_layouts"] = {}
+  for schedule, shapes in (("ring", LAYOUTS), ("gather", [(8, 1, 1), (2, 2, 2)])):
+    for shape in shapes:
+      loss, grads, _ = grads_on(shape, sigmoid_schedule=schedule, **kw)
+      out["sigmoid_layouts"][f"{schedule} {shape}"] = rel(loss, grads, ref)
+  for name, extra in (("ring accum x2 (2, 2, 2)", dict(shape=(2, 2, 2), accum=2, sigmoid_schedule="ring")),
+                      ("gather chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1, sigmoid_schedule="gather")),
+                      ("ring micro-batch negatives, accum x2 (4, 2, 1)", dict(shape=(4, 2, 1), accum=2,
+                                                                             negatives="micro_batch",
+                                                                             sigmoid_schedule="ring"))):
+    loss, grads, _ = grads_on(**extra, **kw)
+    want = ref if "micro" not in name else grads_on((1, 1, 1), accum=2, negatives="micro_batch",
+                                                   sigmoid_schedule="gather", **kw)
+    out["sigmoid_layouts"][name] = rel(loss, grads, want)
+  # Compiled value and gradient at 128 rows per device on 8 devices: the largest [x, B] logits buffer and the largest
+  # buffer of caption embeddings ([x, D]) under each schedule.
+  mesh = mesh_of((8, 1, 1))
+  sh = NamedSharding(mesh, P(sharding.BATCH_AXES))
+  gb, d = 1024, 48
+  x = jax.ShapeDtypeStruct((gb, d), jnp.float32, sharding=sh)
+  out["sigmoid_memory"] = {}
+  for schedule in ("gather", "ring"):
+    obj = Objective(gamma=0.5, kind="sigmoid", sigmoid_schedule=schedule)
+    f = lambda a, b, obj=obj: obj({**embedding_outputs(a, b, 10.0), "bias": jnp.float32(-10.0)}, mesh)[0]
+    hlo = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(x, x).compile().as_text()
+    shapes = [tuple(int(v) for v in dims.split(",")) for dims in re.findall(r"f32\[(\d+,\d+)\]", hlo)]
+    out["sigmoid_memory"][schedule] = {"B": gb, "D": d, "has_BxB": (gb, gb) in shapes,
+                                       "largest_emb_rows": max(r for r, c in shapes if c == d),
+                                       "collective_permutes": hlo.count("collective-permute")}
+
+
 SECTIONS = {"core": core, "token": token, "ring": ring, "adapters": adapters_, "finelip": finelip, "goal": goal,
-            "structxlip": structxlip, "memory": memory, "plugin": plugin}
+            "structxlip": structxlip, "memory": memory, "plugin": plugin, "sigmoid": sigmoid}
 
 if __name__ == "__main__":
   if os.environ.get("HNCLIP_TEST_XLA_CACHE"):  # the test suite's persistent compilation cache (tests/conftest.py)

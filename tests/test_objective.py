@@ -12,7 +12,7 @@ from hnclip_jax import config as config_lib, losses, optim, sharding, train_step
 from hnclip_jax.models import CLIPConfig, bind, init_params
 from hnclip_jax.models.clip import LOGIT_SCALE_PARAM_MAX
 from hnclip_jax.objective import Objective
-from test_losses import np_reference
+from test_losses import np_reference, np_sigmoid_reference
 
 MESH = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES)
 
@@ -89,6 +89,43 @@ def test_objective_value_and_gradients_match_numpy(weight, chunk):
     assert np.all(np.asarray(g["txt_tokens"])[~m] == 0) and np.abs(np.asarray(g["txt_tokens"])[m]).max() > 1e-4
   total = lambda sc: np_reference(out["img"], out["txt"], sc, 0.5)[0] + weight * np_token_loss(it, tt, m, sc)
   np.testing.assert_allclose(g["scale"], (total(s + 1e-5) - total(s - 1e-5)) / 2e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("schedule,chunk", [("ring", 0), ("gather", 0), ("gather", 2)])
+def test_sigmoid_objective_matches_numpy(schedule, chunk):
+  """config.loss.kind="sigmoid": value, per-example losses (each image's row sum) and gradients w.r.t. both
+  embeddings, t and b equal float64 NumPy (test_losses.np_sigmoid_reference), with the token term added on top."""
+  out = {**_outputs(1), "bias": np.float32(-4.0)}
+  obj = Objective(gamma=0.5, kind="sigmoid", sigmoid_schedule=schedule, chunk_size=chunk)
+  got, g = _value_and_grads(obj, out)
+  want, dv, dt, ds, db = np_sigmoid_reference(out["img"], out["txt"], 7.0, -4.0, 0.5)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for a, b in ((g["img"], dv), (g["txt"], dt), (g["scale"], ds), (g["bias"], db)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  per = np.asarray(obj({**out}, MESH)[1]["per_example"])
+  np.testing.assert_allclose(per.mean(), want, rtol=1e-5)
+  assert obj.plain_name == "siglip" and Objective().plain_name == "infonce"
+  both, _ = _value_and_grads(obj.replace(token_weight=1.0), out)
+  np.testing.assert_allclose(both, want + np_token_loss(out["img_tokens"], out["txt_tokens"], out["txt_mask"], 7.0),
+                             rtol=1e-5)
+
+
+def test_sigmoid_loss_needs_a_logit_bias_and_valid_settings():
+  with pytest.raises(ValueError, match="kind='sigmoid' needs the model's learned logit bias"):
+    Objective(kind="sigmoid").check(CLIPConfig())
+  Objective(kind="sigmoid").check(CLIPConfig(logit_bias=True))
+  c = config_lib.base_config()
+  c.loss.kind = "hinge"
+  with pytest.raises(ValueError, match="config.loss.kind='hinge'; choose one of"):
+    config_lib.validate(c)
+  c = config_lib.base_config()
+  c.loss.sigmoid_schedule = "gather"
+  with pytest.raises(ValueError, match="sigmoid_schedule='gather' set, but config.loss.kind='softmax'"):
+    config_lib.validate(c)
+  c.loss.kind = "sigmoid"
+  config_lib.validate(c)
+  assert optim.logit_scale_max(c) == float("inf") and optim.logit_scale_max(config_lib.base_config()) == \
+      LOGIT_SCALE_PARAM_MAX
 
 
 def test_token_term_options_match_numpy():

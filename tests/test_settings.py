@@ -16,13 +16,13 @@ from hnclip_jax.data.tokenizer import WordTokenizer
 SECTIONS = ("loss", "finetune", "optimizer") + tuple(name for name, _ in frameworks.blocks())
 METHODS = ("full", "lora", "dora")
 # A valid value other than the default, where "default + 1" / "not default" does not give one.
-OTHER = {"loss.token_schedule": "ring", "loss.negatives": "micro_batch", "finetune.targets": ("fc1$",),
+OTHER = {"loss.token_schedule": "ring", "loss.kind": "sigmoid", "loss.sigmoid_schedule": "gather", "loss.negatives": "micro_batch", "finetune.targets": ("fc1$",),
          "finetune.freeze": ("ln_final",), "optimizer.lr_multipliers": ((r"ln_final", 2.0),),
          "finelip.reduction": "mean", "structxlip.floors": (0.5, 0.5, 0.5), "structxlip.remove": ("materials",),
          "loss.token_layer": -2, "structxlip.canny_high": 250.0, "finetune.dropout": 0.1,
          "finelip.score_weight": 0.5, "optimizer.layer_decay": 0.9}
 # The functions that check settings rather than use them: their reads do not count (a refusal is what they do).
-CHECKERS = {("config.py", "validate"), ("config.py", "flatten"), ("config.py", "check_token_settings"),
+CHECKERS = {("config.py", "validate"), ("config.py", "flatten"), ("config.py", "check_token_settings"), ("config.py", "check_loss_kind"),
             ("config.py", "check_unused_adapter_settings"), ("__init__.py", "model_fields")}
 
 

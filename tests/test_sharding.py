@@ -88,6 +88,30 @@ def test_ring_schedule_holds_no_caption_tokens_that_grow_with_the_global_batch()
   assert m["ring/4"]["largest_token_buffer"] == m["ring/8"]["largest_token_buffer"]
 
 
+@group("sigmoid")
+def test_sigmoid_loss_every_layout_matches_one_device():
+  """HN-SigLIP (config.loss.kind="sigmoid") on a SigLIP-family model: the ring schedule on the five layouts, the
+  gather schedule on two, global-batch accumulation, 1-row chunks and micro-batch negatives give the one-device loss
+  and gradients (t, b and both towers); the margin changes the loss and b gets a gradient."""
+  checks = section("sigmoid")
+  assert checks["sigmoid_margin_differs"] > 1e-3 and checks["sigmoid_bias_grad"] > 1e-3
+  assert {f"ring {s}" for s in ("(8, 1, 1)", "(2, 4, 1)", "(1, 8, 1)", "(2, 2, 2)", "(4, 1, 2)")} <= set(
+      checks["sigmoid_layouts"])
+  assert len(checks["sigmoid_layouts"]) == 10
+  for layout, r in checks["sigmoid_layouts"].items():
+    assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (layout, r)
+
+
+@group("sigmoid")
+def test_sigmoid_loss_holds_no_bxb_logits_and_the_ring_no_gathered_captions():
+  """Compiled value and gradient at B = 1024 on 8 devices: neither schedule holds [B, B] logits; "gather" holds the
+  [B, D] captions, "ring" at most one device's [B/8, D] chunk, passed with collective-permutes."""
+  m = section("sigmoid")["sigmoid_memory"]
+  assert not m["gather"]["has_BxB"] and not m["ring"]["has_BxB"]
+  assert m["gather"]["largest_emb_rows"] == m["gather"]["B"]
+  assert m["ring"]["largest_emb_rows"] == m["ring"]["B"] // 8 and m["ring"]["collective_permutes"] > 0
+
+
 @group("memory")
 def test_token_term_never_materialises_the_pairwise_token_tensor():
   checks = section("memory")
