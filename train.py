@@ -118,7 +118,8 @@ def main(argv):
   batches = iter(pipeline.train_dataset(
       train_source, tokenizer, image_size=model_cfg.image_size, global_batch=config.batch_size, seed=config.seed,
       start_step=start, process_index=jax.process_index(), process_count=jax.process_count(),
-      workers=config.workers, extra_inputs=None if make_inputs is None else make_inputs(config, model_cfg, tokenizer)))
+      workers=config.workers, extra_inputs=None if make_inputs is None else make_inputs(config, model_cfg, tokenizer),
+      family=model_cfg.family))
 
   eval_captions = None  # read once, at the first eval, without decoding images
 

@@ -161,3 +161,95 @@ def test_siglip_presets_have_the_published_shapes(name):
   sharding.param_specs(split_params(__import__("flax").nnx.eval_shape(
       lambda: CLIP(cfg, rngs=__import__("flax").nnx.Rngs(0))))[1],
       jax.make_mesh((1, 1, 1), sharding.MESH_AXES), sharding.parse_rules(sharding.DEFAULT_RULES))
+
+
+# ------------------------------------------------------------------------------------------- tokenizer, pixels
+
+def _corpus(n=300, seed=0):
+  """Strings that exercise SigLIP's canonicalisation: case, ASCII punctuation, runs of whitespace, digits, accents,
+  and lengths past the 16-token context."""
+  r = np.random.default_rng(seed)
+  words = ["A", "red", "cube", "left", "of", "the", "Blue", "sphere,", "two", "green", "balls!", "(small)", "wooden",
+           "table;", "café", "naïve", "3", "42", "x-ray", "it's", "\"quoted\"", "e.g.", "über", "ÉCOLE", "a/b"]
+  out = ["", "   ", "!!!", "Hello,   World", "tab\there", "line\nbreak"]
+  while len(out) < n:
+    k = int(r.integers(1, 40))
+    sep = [" ", "  ", "\t", " , "][int(r.integers(4))]
+    out.append(sep.join(words[int(i)] for i in r.integers(len(words), size=k)))
+  return out
+
+
+@pytest.fixture(scope="module")
+def spiece_dir(tmp_path_factory):
+  """A SigLIP-layout SentencePiece model (0 <pad>, 1 </s>, 2 <unk>) trained on the corpus."""
+  spm = pytest.importorskip("sentencepiece")
+  d = tmp_path_factory.mktemp("spiece")
+  from hnclip_jax.data.siglip_tokenizer import canonicalize
+  spm.SentencePieceTrainer.train(sentence_iterator=iter([canonicalize(t) for t in _corpus(600, seed=1)] * 3),
+                                 model_prefix=str(d / "spiece"), vocab_size=60, model_type="unigram", pad_id=0,
+                                 eos_id=1, unk_id=2, bos_id=-1, character_coverage=1.0, minloglevel=2)
+  return d
+
+
+def test_spiece_tokenizer_matches_transformers(spiece_dir):
+  """Token ids equal transformers' SiglipTokenizer (padding="max_length", truncation) on 300 strings."""
+  from hnclip_jax.data.siglip_tokenizer import SigLIPTokenizer
+  texts = _corpus()
+  ours = SigLIPTokenizer(str(spiece_dir / "spiece.model"), 16)
+  hf = transformers.SiglipTokenizer(vocab_file=str(spiece_dir / "spiece.model"))
+  want = np.asarray(hf(texts, padding="max_length", truncation=True, max_length=16)["input_ids"])
+  got = ours(texts)
+  mismatched = [t for t, a, b in zip(texts, got, want) if not np.array_equal(a, b)]
+  assert not mismatched, (len(mismatched), mismatched[:3])
+  assert ours.last_truncated > 10 and ours.eot_id == ours.pad_id == 1
+  assert (got == 1).any(axis=1).all()  # every caption ends with "</s>", truncated or not
+
+
+def test_tokenizer_json_matches_transformers_fast(tmp_path):
+  """A tokenizer.json source (SigLIP 2 ships Gemma's): the file's own special tokens, truncated and padded to the
+  full length with its pad token, equal to transformers' PreTrainedTokenizerFast on 300 strings."""
+  import tokenizers
+  from tokenizers import models, normalizers, pre_tokenizers, processors, trainers
+  from hnclip_jax.data.siglip_tokenizer import SigLIPTokenizer
+  tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.normalizer = normalizers.NFKC()
+  tok.pre_tokenizer = pre_tokenizers.Metaspace()
+  tok.train_from_iterator(_corpus(600, seed=2), trainers.BpeTrainer(vocab_size=150, special_tokens=[
+      "<pad>", "<eos>", "<bos>", "<unk>"]))
+  tok.post_processor = processors.TemplateProcessing(single="<bos> $A <eos>", special_tokens=[("<bos>", 2),
+                                                                                              ("<eos>", 1)])
+  tok.save(str(tmp_path / "tokenizer.json"))
+  texts = _corpus()
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), pad_token="<pad>",
+                                            eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
+  want = np.asarray(hf(texts, padding="max_length", truncation=True, max_length=16)["input_ids"])
+  ours = SigLIPTokenizer(str(tmp_path / "tokenizer.json"), 16)
+  np.testing.assert_array_equal(ours(texts), want)
+  assert (ours.pad_id, ours.eot_id) == (0, 1) and ours.last_truncated > 10
+
+
+def test_pretrained_siglip_with_tokenizer_and_preprocessing(saved, spiece_dir, tmp_path):
+  """pretrained.load picks up spiece.model next to SigLIP weights; images are preprocessed as SiglipImageProcessor
+  does (whole image to size x size, bicubic, then [-1, 1])."""
+  import shutil
+  from PIL import Image
+  directory, _ = saved
+  d = tmp_path / "with_tok"
+  shutil.copytree(directory, d)
+  shutil.copy(spiece_dir / "spiece.model", d / "spiece.model")
+  pm = pretrained.load(str(d))
+  assert pm.tokenizer.kind == "siglip" and pm.tokenize(["A red cube."]).shape == (1, 12)
+  pm.save(str(tmp_path / "converted"))  # the converted layout (and a workdir) keep the tokenizer file
+  again = pretrained.load(str(tmp_path / "converted"))
+  texts = _corpus(20)
+  np.testing.assert_array_equal(again.tokenize(texts), pm.tokenize(texts))
+  assert again.config == pm.config
+  proc = transformers.SiglipImageProcessor(size={"height": 32, "width": 32})
+  yy, xx = np.mgrid[0:300, 0:400]
+  smooth = np.stack([(xx * 0.6) % 255, (yy * 0.8) % 255, (xx + yy) % 255], -1).astype(np.uint8)
+  images = [Image.fromarray(smooth), Image.fromarray(smooth[:, :250].copy()), Image.fromarray(smooth[:20, :30].copy())]
+  got = pm.preprocess(images)
+  want = proc(images=images, return_tensors="np")["pixel_values"].transpose(0, 2, 3, 1)
+  assert got.shape == want.shape == (3, 32, 32, 3)
+  diff = np.abs(got - want)
+  assert diff.max() <= 2e-2 and diff.mean() <= 3e-3, (diff.max(), diff.mean())

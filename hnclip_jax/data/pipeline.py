@@ -28,14 +28,41 @@ def resize_center_crop(image, size: int) -> np.ndarray:
   return np.asarray(img, np.uint8)
 
 
-def clip_preprocess(image, size: int) -> np.ndarray:
-  """CLIP preprocessing of one image (PIL or uint8 array) -> float32 [size, size, 3], normalised."""
+def clip_preprocess(image, size: int, family: str = "clip") -> np.ndarray:
+  """The model family's preprocessing of one image (PIL or uint8 array) -> float32 [size, size, 3], normalised:
+  CLIP's (short side to `size`, centre crop, CLIP mean/std) or SigLIP's (`siglip_preprocess`)."""
+  if family == "siglip":
+    return siglip_preprocess(image, size)
   return normalize(resize_center_crop(image, size))
 
 
 def normalize(image: np.ndarray) -> np.ndarray:
   """uint8 [H, W, 3] -> float32 [H, W, 3]: scaled to [0, 1], then CLIP mean/std."""
   return (np.asarray(image, np.float32) / 255.0 - CLIP_MEAN) / CLIP_STD
+
+
+def resize_square(image, size: int) -> np.ndarray:
+  """PIL image or uint8 [H, W, 3|1] -> uint8 [size, size, 3]: the whole image resized to size x size (bicubic, no
+  crop; SigLIP's processor)."""
+  img = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image).squeeze())
+  img = img.convert("RGB")
+  if img.size != (size, size):
+    img = img.resize((size, size), Image.BICUBIC)
+  return np.asarray(img, np.uint8)
+
+
+def siglip_preprocess(image, size: int) -> np.ndarray:
+  """SigLIP preprocessing of one image -> float32 [size, size, 3] in [-1, 1] (mean 0.5, std 0.5)."""
+  return np.asarray(resize_square(image, size), np.float32) / 127.5 - 1.0
+
+
+def pixels_of(image, size: int, family: str = "clip") -> tuple[np.ndarray, np.ndarray]:
+  """(uint8 [size, size, 3] as the model sees it, float32 normalised) for the model family."""
+  if family == "siglip":
+    u8 = resize_square(image, size)
+    return u8, np.asarray(u8, np.float32) / 127.5 - 1.0
+  u8 = resize_center_crop(image, size)
+  return u8, normalize(u8)
 
 
 def text_of(c) -> str:
@@ -63,13 +90,13 @@ BATCH_KEYS = ("image", "tokens", "index")
 
 class _Preprocess(grain.transforms.Map):
 
-  def __init__(self, tokenizer, image_size, extra=None):
-    self.tokenizer, self.image_size, self.extra = tokenizer, image_size, extra
+  def __init__(self, tokenizer, image_size, extra=None, family="clip"):
+    self.tokenizer, self.image_size, self.extra, self.family = tokenizer, image_size, extra, family
 
   def map(self, ex, caption: int = 0, seed: int = 0, step: int = 0, index: int = 0):
     text = captions_of(ex)[caption]
-    pixels = resize_center_crop(ex["image"], self.image_size)
-    out = {"image": normalize(pixels), "tokens": self.tokenizer([text])[0]}
+    pixels, image = pixels_of(ex["image"], self.image_size, self.family)
+    out = {"image": image, "tokens": self.tokenizer([text])[0]}
     if self.extra is not None:  # a framework's own per-example inputs (frameworks: `inputs`)
       extra = self.extra(ex, text, pixels, seed, step, index)
       clash = sorted(set(extra) & set(BATCH_KEYS))
@@ -85,9 +112,9 @@ class _LoadRows(grain.transforms.MapWithIndex):
   with several captions contributes the one `caption_choice` picks for this step; with `extra`, also a framework's
   per-example inputs."""
 
-  def __init__(self, source, tokenizer, image_size, rows: slice, seed: int, extra=None):
+  def __init__(self, source, tokenizer, image_size, rows: slice, seed: int, extra=None, family="clip"):
     self.source, self.rows, self.seed = source, rows, seed
-    self.pre = _Preprocess(tokenizer, image_size, extra)
+    self.pre = _Preprocess(tokenizer, image_size, extra, family)
 
   def map_with_index(self, step, indices):
     mine = indices[self.rows]
@@ -103,7 +130,7 @@ class _LoadRows(grain.transforms.MapWithIndex):
 
 def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed: int, start_step: int = 0,
                   process_index: int = 0, process_count: int = 1, workers: int = 0, prefetch: int = 4,
-                  extra_inputs=None):
+                  extra_inputs=None, family: str = "clip"):
   """Infinite iterator of this process's batches: image f32 [b,H,W,3], tokens int32 [b,L], b = global_batch / processes.
 
   The global batch order is shuffled per epoch from `seed` and does not depend on
@@ -114,6 +141,7 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
   `caption_choice(seed, k, index)` picks.
   extra_inputs: a framework's (example, caption, image uint8 [H, W, 3], seed, step, index) -> {name: array}, added
   to each row (hnclip_jax.frameworks: `inputs`); a pure function of its arguments keeps resumes bit-identical.
+  family: the model family whose image preprocessing applies ("clip" or "siglip": `clip_preprocess`).
   """
   if global_batch % process_count:
     raise ValueError(f"config.batch_size={global_batch} is not divisible by the {process_count} processes")
@@ -123,7 +151,7 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
                      "lower config.batch_size")
   rows = slice(process_index * local, (process_index + 1) * local)
   ds = (grain.MapDataset.range(len(source)).shuffle(seed=seed).batch(global_batch, drop_remainder=True)
-        .repeat().map_with_index(_LoadRows(source, tokenizer, image_size, rows, seed, extra_inputs))[start_step:])
+        .repeat().map_with_index(_LoadRows(source, tokenizer, image_size, rows, seed, extra_inputs, family))[start_step:])
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, prefetch), prefetch_buffer_size=prefetch))
   if workers > 0:
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
@@ -147,9 +175,10 @@ def _padded_batches(n_total: int, load, batch_size: int, process_index: int, pro
     yield batch
 
 
-def eval_image_batches(source, *, image_size: int, batch_size: int, process_index: int = 0, process_count: int = 1):
+def eval_image_batches(source, *, image_size: int, batch_size: int, process_index: int = 0, process_count: int = 1,
+                       family: str = "clip"):
   """This process's share of the images of `source`: {"image" f32 [B,H,W,3], "index" (row in source), "mask"}."""
-  load = lambda rows: {"image": np.stack([clip_preprocess(source[int(i)]["image"], image_size)  # noqa: E731
+  load = lambda rows: {"image": np.stack([clip_preprocess(source[int(i)]["image"], image_size, family)  # noqa: E731
                                           for i in rows])}
   return _padded_batches(len(source), load, batch_size, process_index, process_count)
 

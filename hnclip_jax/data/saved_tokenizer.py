@@ -5,9 +5,10 @@ import json
 import os
 
 from hnclip_jax.data.clip_tokenizer import CLIPTokenizer
+from hnclip_jax.data.siglip_tokenizer import SigLIPTokenizer
 from hnclip_jax.data.tokenizer import META_FILE, WordTokenizer
 
-TOKENIZERS = {cls.kind: cls for cls in (WordTokenizer, CLIPTokenizer)}
+TOKENIZERS = {cls.kind: cls for cls in (WordTokenizer, CLIPTokenizer, SigLIPTokenizer)}
 
 
 def load_tokenizer(directory: str):

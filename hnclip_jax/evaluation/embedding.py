@@ -62,7 +62,8 @@ def embed_split(params, encoders, source, tokenizer, model_cfg: CLIPConfig, mesh
   flat = [c for caps in captions for c in caps]
   caption_image = np.repeat(np.arange(len(captions)), [len(c) for c in captions])
   img = _embed_rows(params, encoders.images, pipeline.eval_image_batches(
-      source, image_size=model_cfg.image_size, batch_size=local, process_index=pi, process_count=pc), mesh, "image",
+      source, image_size=model_cfg.image_size, batch_size=local, process_index=pi, process_count=pc,
+      family=model_cfg.family), mesh, "image",
       len(source))
   txt = _embed_rows(params, encoders.texts, pipeline.eval_text_batches(
       flat, tokenizer, batch_size=local, process_index=pi, process_count=pc), mesh, "tokens", len(flat))

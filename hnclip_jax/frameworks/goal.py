@@ -194,6 +194,10 @@ class SegmentInputs:
 
 def inputs(config, model_cfg, tokenizer):
   del config
+  if model_cfg.family != "clip":
+    raise ValueError(f"config.framework='goal' crops and preprocesses images and locates sentences among "
+                     f"tokens the CLIP way; model.family={model_cfg.family!r} is not supported by it (use a CLIP "
+                     "model, or the longclip or finelip framework)")
   return SegmentInputs(tokenizer, model_cfg.image_size, model_cfg.patch_size)
 
 

@@ -47,8 +47,9 @@ class Pretrained:
     return self.tokenizer(list(texts))
 
   def preprocess(self, images) -> np.ndarray:
-    """PIL images or uint8 [H, W, 3] arrays -> float32 [N, image_size, image_size, 3] (CLIP preprocessing)."""
-    return np.stack([pipeline.clip_preprocess(im, self.config.image_size) for im in images])
+    """PIL images or uint8 [H, W, 3] arrays -> float32 [N, image_size, image_size, 3] (the family's preprocessing:
+    CLIP's or SigLIP's)."""
+    return np.stack([pipeline.clip_preprocess(im, self.config.image_size, self.config.family) for im in images])
 
   batch_size: int = 64  # encoders run in batches of this size (the last one padded): one compile, bounded memory
 
@@ -209,6 +210,9 @@ def load(path: str, step: int | str | None = None) -> Pretrained:
     if workdir_format.is_workdir(path):
       return _load_workdir(path, step)
     cfg, params = weights.read_hf_directory(path)
+    if cfg.family == "siglip":
+      from hnclip_jax.data.siglip_tokenizer import SigLIPTokenizer
+      return Pretrained(cfg, params, SigLIPTokenizer.from_directory(path, cfg.text_context), path)
     return Pretrained(cfg, params, _tokenizer_near(path, cfg.text_context), path)
   cfg, params = weights.read_openai_file(path)
   return Pretrained(cfg, params, _tokenizer_near(os.path.dirname(path), cfg.text_context), path)
