@@ -244,6 +244,11 @@ def test_pretrained_siglip_with_tokenizer_and_preprocessing(saved, spiece_dir, t
   texts = _corpus(20)
   np.testing.assert_array_equal(again.tokenize(texts), pm.tokenize(texts))
   assert again.config == pm.config
+  from hnclip_jax.pretrained import export  # the export carries spiece.model and SigLIP's tokenizer settings
+  assert export.export_hf(pm, str(tmp_path / "hf")) == []
+  hf_tok = transformers.SiglipTokenizer.from_pretrained(str(tmp_path / "hf"))
+  np.testing.assert_array_equal(np.asarray(hf_tok(texts, padding="max_length", truncation=True,
+                                                   max_length=12)["input_ids"]), pm.tokenize(texts))
   proc = transformers.SiglipImageProcessor(size={"height": 32, "width": 32})
   yy, xx = np.mgrid[0:300, 0:400]
   smooth = np.stack([(xx * 0.6) % 255, (yy * 0.8) % 255, (xx + yy) % 255], -1).astype(np.uint8)
@@ -253,3 +258,25 @@ def test_pretrained_siglip_with_tokenizer_and_preprocessing(saved, spiece_dir, t
   assert got.shape == want.shape == (3, 32, 32, 3)
   diff = np.abs(got - want)
   assert diff.max() <= 2e-2 and diff.mean() <= 3e-3, (diff.max(), diff.mean())
+
+
+def test_export_siglip_to_hugging_face_and_back(tmp_path):
+  """A fine-tuned SigLIP model (stretched to a longer context) exported as a SiglipModel directory: transformers
+  loads it and gives our embeddings and logits (<= 1e-5); its tokenizer file goes with it; the OpenAI format is
+  refused by name."""
+  import jax
+  from hnclip_jax.pretrained import export
+  model = hf_siglip(seed=3, context=24)
+  model.save_pretrained(tmp_path / "src")
+  pm = pretrained.load(str(tmp_path / "src")).with_text_context(36)  # Long-CLIP's stretch: keep 20, x4
+  pm.params = jax.tree.map(lambda x: x * 1.01, pm.params)  # not the source's weights
+  export.export_hf(pm, str(tmp_path / "out"))
+  back = transformers.SiglipModel.from_pretrained(tmp_path / "out").eval()
+  pixels, ids = inputs(context=pm.config.text_context)
+  want = hf_outputs(back, pixels, ids)
+  np.testing.assert_allclose(pm.encode_pixels(pixels), want["image_embeds"], atol=1e-5)
+  np.testing.assert_allclose(pm.encode_tokens(ids), want["text_embeds"], atol=1e-5)
+  again = pretrained.load(str(tmp_path / "out"))
+  assert again.config == pm.config
+  with pytest.raises(ValueError, match="siglip model cannot be written in the OpenAI CLIP format"):
+    export.openai_state_dict(pm.params, pm.config)

@@ -1,5 +1,5 @@
-"""Export a model to the Hugging Face CLIP format or the OpenAI / Long-CLIP state-dict format (the inverses of
-`weights.read_hf_directory` and `weights.read_openai_file`):
+"""Export a model to the Hugging Face CLIP / SigLIP format or the OpenAI / Long-CLIP state-dict format (the
+inverses of `weights.read_hf_directory` and `weights.read_openai_file`):
 
   python -m hnclip_jax.pretrained.export SOURCE OUT [--format hf|openai] [--step N]
 
@@ -10,7 +10,9 @@ Face directory, an OpenAI/Long-CLIP .pt). LoRA / DoRA adapters are folded into t
 `transformers.CLIPModel.from_pretrained` loads (max_position_embeddings = the model's text context, 248 for
 Long-CLIP), preprocessor_config.json (CLIP's resize / centre crop / normalisation at the model's image size) and the
 tokenizer: vocab.json + merges.txt for CLIP's BPE (`CLIPTokenizer`), tokenizer.json for the word-level tokenizer of
-models trained from scratch here (`PreTrainedTokenizerFast`, start/end tokens and padding as in training).
+models trained from scratch here (`PreTrainedTokenizerFast`, start/end tokens and padding as in training). A SigLIP
+model (config.model.family='siglip') is written as a `transformers.SiglipModel` directory with SigLIP's
+preprocessor_config.json and its own tokenizer file (spiece.model or tokenizer.json).
 
 --format=openai: OUT is a .pt file holding an OpenAI-CLIP state dict (what `clip.model.build_model` reads); a
 248-token model gets Long-CLIP's two position tables (`positional_embedding` for positions < 20,
@@ -93,6 +95,93 @@ def hf_state_dict(params, cfg) -> dict:
   return sd
 
 
+def hf_siglip_state_dict(params, cfg) -> dict:
+  """Our SigLIP params -> transformers SiglipModel state dict (NumPy fp32, PyTorch layouts)."""
+  sd = {}
+  linear, norm = _writers(sd)
+  for tower, prefix in (("vision", "vision_model"), ("text", "text_model")):
+    for i, b in enumerate(_blocks(params, tower)):
+      p = f"{prefix}.encoder.layers.{i}."
+      norm(p + "layer_norm1", b["ln1"])
+      norm(p + "layer_norm2", b["ln2"])
+      for k in ("q", "k", "v"):
+        linear(p + f"self_attn.{k}_proj", b["attn"][k])
+      linear(p + "self_attn.out_proj", b["attn"]["out"])
+      linear(p + "mlp.fc1", b["fc1"])
+      linear(p + "mlp.fc2", b["fc2"])
+  sd["vision_model.embeddings.patch_embedding.weight"] = _f32(
+      np.asarray(params["patch_embed"]["kernel"]).transpose(3, 2, 0, 1))
+  sd["vision_model.embeddings.patch_embedding.bias"] = _f32(params["patch_embed"]["bias"])
+  sd["vision_model.embeddings.position_embedding.weight"] = _f32(params["vision_positions"])
+  norm("vision_model.post_layernorm", params["ln_post"])
+  head = params["vision_head"]
+  sd["vision_model.head.probe"] = _f32(head["probe"]).reshape(1, 1, -1)
+  sd["vision_model.head.attention.in_proj_weight"] = _f32(np.concatenate(
+      [np.asarray(head["attn"][k]["kernel"]).T for k in "qkv"]))
+  sd["vision_model.head.attention.in_proj_bias"] = _f32(np.concatenate([np.asarray(head["attn"][k]["bias"])
+                                                                       for k in "qkv"]))
+  linear("vision_model.head.attention.out_proj", head["attn"]["out"])
+  norm("vision_model.head.layernorm", head["ln"])
+  linear("vision_model.head.mlp.fc1", head["fc1"])
+  linear("vision_model.head.mlp.fc2", head["fc2"])
+  sd["text_model.embeddings.token_embedding.weight"] = _f32(params["token_embedding"]["embedding"])
+  sd["text_model.embeddings.position_embedding.weight"] = _f32(params["text_positions"])
+  norm("text_model.final_layer_norm", params["ln_final"])
+  linear("text_model.head", params["text_head"])
+  sd["logit_scale"] = _f32(params["logit_scale"]).reshape(1)
+  sd["logit_bias"] = _f32(params["logit_bias"]).reshape(1)
+  return sd
+
+
+HF_ACT = {"gelu_tanh": "gelu_pytorch_tanh"}  # our activation names -> transformers' (the rest are the same)
+
+
+def hf_siglip_config_dict(cfg) -> dict:
+  common = {"hidden_act": HF_ACT.get(cfg.act, cfg.act), "layer_norm_eps": cfg.ln_eps}
+  return {
+      "architectures": ["SiglipModel"], "model_type": "siglip",
+      "text_config": {**common, "vocab_size": cfg.vocab_size, "hidden_size": cfg.text_width,
+                      "intermediate_size": cfg.text_mlp_dim, "num_hidden_layers": cfg.text_layers,
+                      "num_attention_heads": cfg.text_heads, "max_position_embeddings": cfg.text_context,
+                      "projection_size": cfg.embed_dim, "eos_token_id": cfg.eot_token_id},
+      "vision_config": {**common, "hidden_size": cfg.vision_width, "intermediate_size": cfg.vision_mlp_dim,
+                        "num_hidden_layers": cfg.vision_layers, "num_attention_heads": cfg.vision_heads,
+                        "image_size": cfg.image_size, "patch_size": cfg.patch_size, "num_channels": 3,
+                        "vision_use_head": True},
+  }
+
+
+def export_hf_siglip(model, out_dir: str) -> list[str]:
+  """A SigLIP model as a transformers SiglipModel directory: weights, config.json, SigLIP's
+  preprocessor_config.json and the tokenizer file it came with (spiece.model or tokenizer.json)."""
+  from safetensors.numpy import save_file
+  cfg = model.config
+  if not cfg.logit_bias:
+    raise ValueError("this SigLIP-family model has no logit bias (config.model.logit_bias=False); transformers' "
+                     "SiglipModel needs one")
+  os.makedirs(out_dir, exist_ok=True)
+  save_file(hf_siglip_state_dict(model.params, cfg), os.path.join(out_dir, "model.safetensors"),
+            metadata={"format": "pt"})
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(hf_siglip_config_dict(cfg), f, indent=2)
+  s = cfg.image_size
+  with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
+    json.dump({"image_processor_type": "SiglipImageProcessor", "do_resize": True, "size": {"height": s, "width": s},
+               "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+               "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}, f, indent=2)
+  tok = model.tokenizer
+  if tok is None or tok.kind != "siglip":
+    return parts_left_out(model) + [f"{model.source} has no SigLIP tokenizer file (spiece.model or tokenizer.json): "
+                                    f"{out_dir} has the weights and configs only; copy the tokenizer next to them"]
+  import shutil
+  shutil.copyfile(tok.path, os.path.join(out_dir, os.path.basename(tok.path)))
+  if os.path.basename(tok.path) == "spiece.model":
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+      json.dump({"tokenizer_class": "SiglipTokenizer", "model_max_length": cfg.text_context, "eos_token": "</s>",
+                 "pad_token": "</s>", "unk_token": "<unk>", "do_lower_case": True}, f, indent=2)
+  return parts_left_out(model)
+
+
 def hf_config_dict(cfg) -> dict:
   common = {"hidden_act": cfg.act, "layer_norm_eps": cfg.ln_eps, "projection_dim": cfg.embed_dim}
   return {
@@ -122,7 +211,10 @@ def parts_left_out(model) -> list[str]:
 
 
 def export_hf(model, out_dir: str) -> list[str]:
-  """Writes the Hugging Face directory; returns warnings (what could not be exported)."""
+  """Writes the Hugging Face directory (CLIPModel, or SiglipModel for SigLIP towers); returns warnings (what could
+  not be exported)."""
+  if model.config.family == "siglip":
+    return export_hf_siglip(model, out_dir)
   from safetensors.numpy import save_file
   os.makedirs(out_dir, exist_ok=True)
   save_file(hf_state_dict(model.params, model.config), os.path.join(out_dir, "model.safetensors"),
@@ -176,6 +268,9 @@ def openai_state_dict(params, cfg) -> dict:
   why = []
   if cfg.token_projection != "shared":
     why.append("it has separate token projections (config.model.token_projection='separate')")
+  if cfg.family != "clip":
+    raise ValueError(f"a {cfg.family} model cannot be written in the OpenAI CLIP format; export it with --format=hf "
+                     "(a transformers SiglipModel directory)")
   if cfg.act != "quick_gelu":
     why.append(f"its activation is {cfg.act!r} (OpenAI's model code is QuickGELU)")
   for tower, width, heads in (("vision", cfg.vision_width, cfg.vision_heads), ("text", cfg.text_width,
@@ -262,7 +357,7 @@ def main(argv):
   warnings = export_hf(model, out) if fmt == "hf" else export_openai(model, out)
   for w in warnings:
     print(f"warning: {w}")
-  what = "Hugging Face CLIPModel" if fmt == "hf" else ("Long-CLIP state dict" if model.config.text_context ==
+  what = f"Hugging Face {'SiglipModel' if model.config.family == 'siglip' else 'CLIPModel'}" if fmt == "hf" else ("Long-CLIP state dict" if model.config.text_context ==
                                                        LONGCLIP_CONTEXT else "OpenAI-CLIP state dict")
   print(f"wrote {out} ({what}) from {model.source}")
 
