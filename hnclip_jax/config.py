@@ -96,7 +96,8 @@ def base_config() -> ml_collections.ConfigDict:
                                       "token_weight": 0.0, "token_layer": -1, "token_image_cls": False,
                                       "token_logit_scale": 0.0, "token_margin": False, "token_schedule": "gather",
                                       "token_group": 0, "token_keep": 1.0})
-  # train_logit_scale: learn CLIP's logit scale (its parameter is clamped to [0, ln 100] after every update).
+  # train_logit_scale: learn CLIP's logit scale (its parameter is clamped to [0, ln 100] after every update; not for
+  #   loss.kind="sigmoid") and, for the sigmoid loss, its logit bias b.
   c.optimizer = ml_collections.ConfigDict({
       "lr": 5e-4, "weight_decay": 0.1, "warmup_steps": 50,
       "b1": 0.9, "b2": 0.98, "eps": 1e-6, "grad_clip_norm": 1.0, "train_logit_scale": True,

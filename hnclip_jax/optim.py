@@ -15,6 +15,7 @@ from hnclip_jax import frameworks
 from hnclip_jax.models.clip import LOGIT_SCALE_PARAM_MAX
 
 SCALE_PARAM = "logit_scale"  # the params-dict key of CLIP's log logit scale
+BIAS_PARAM = "logit_bias"  # the sigmoid loss's logit bias (SigLIP): trained or frozen with the scale
 
 
 def lr_schedule(opt_cfg, total_steps: int):
@@ -88,10 +89,10 @@ def lr_factors(opt_cfg, paths: list[str]) -> dict:
 
 
 def frozen_predicate(opt_cfg, freeze):
-  """path -> True for the parameters that get no update: matching a `freeze` regex, or the logit scale with
-  config.optimizer.train_logit_scale=False."""
+  """path -> True for the parameters that get no update: matching a `freeze` regex, or the logit scale (and a
+  logit bias) with config.optimizer.train_logit_scale=False."""
   patterns = _patterns(freeze, "config.finetune.freeze")
-  return lambda p: (p == SCALE_PARAM and not opt_cfg.get("train_logit_scale", True)) or any(
+  return lambda p: (p in (SCALE_PARAM, BIAS_PARAM) and not opt_cfg.get("train_logit_scale", True)) or any(
       pat.search(p) for pat in patterns)
 
 
@@ -101,7 +102,8 @@ def freeze_patterns(config, model_cfg) -> tuple:
   `trained_with_adapters`: they start from scratch and train with the adapters)."""
   freeze = [config.finetune.freeze] if isinstance(config.finetune.freeze, str) else list(config.finetune.freeze)
   if model_cfg.adapter != "none":
-    kept = [r".*(?:/lora/lora_[ab]|/magnitude)$", f"{SCALE_PARAM}$"]  # adapter leaves (adapters.ADAPTER_LEAF)
+    # adapter leaves (adapters.ADAPTER_LEAF), the logit scale and bias
+    kept = [r".*(?:/lora/lora_[ab]|/magnitude)$", f"{SCALE_PARAM}$", f"{BIAS_PARAM}$"]
     own = frameworks.hook(config, "trained_with_adapters")  # a framework's new modules
     if own is not None:
       kept.extend(own(model_cfg))

@@ -280,3 +280,54 @@ def test_export_siglip_to_hugging_face_and_back(tmp_path):
   assert again.config == pm.config
   with pytest.raises(ValueError, match="siglip model cannot be written in the OpenAI CLIP format"):
     export.openai_state_dict(pm.params, pm.config)
+
+
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_adapters_on_siglip_towers(saved, method):
+  """LoRA / DoRA on a SigLIP model: adapters on every block's and the attention-pooling head's dense layers (not on
+  the text head, the tower's projection); the adapted model starts equal to the base, and after a change to the
+  adapters, folding them in gives the adapted model's embeddings."""
+  import dataclasses
+  from hnclip_jax.models import adapters, bind
+  directory, _ = saved
+  pm = pretrained.load(directory)
+  cfg = dataclasses.replace(pm.config, adapter=method, adapter_rank=4, adapter_alpha=8.0)
+  params = adapters.add_adapters(jax.tree.map(np.asarray, pm.params), cfg, seed=0)
+  names = [k for k in adapters.flat(params) if adapters.is_adapter(k)]
+  assert any(k.startswith("vision_head/attn/q/") for k in names) and any(k.startswith("vision_head/fc1/") for k in
+                                                                          names)
+  assert not any(k.startswith("text_head") for k in names)
+  pixels, ids = inputs()
+  graphdef = adapters.abstract_model(cfg)[0]
+  emb = lambda g, p: (np.asarray(bind(g, p).encode_image(jnp.asarray(pixels))),  # noqa: E731
+                      np.asarray(bind(g, p).encode_text(jnp.asarray(ids))))
+  base = emb(pm.graphdef, jax.tree.map(jnp.asarray, pm.params))
+  for a, b in zip(emb(graphdef, jax.tree.map(jnp.asarray, params)), base):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  moved = jax.tree_util.tree_map_with_path(
+      lambda p, x: x + 0.05 if adapters.path_of(p).endswith("lora_b") else x, params)
+  adapted = emb(graphdef, jax.tree.map(jnp.asarray, moved))
+  assert np.abs(adapted[0] - base[0]).max() > 1e-3
+  merged_cfg, merged = adapters.merge_adapters(moved, cfg)
+  for a, b in zip(emb(adapters.abstract_model(merged_cfg)[0], jax.tree.map(jnp.asarray, merged)), adapted):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_logit_bias_trains_and_freezes_with_the_scale():
+  """b follows t: trained in full fine-tuning and next to LoRA / DoRA adapters, frozen with
+  optimizer.train_logit_scale=False; the SigLIP recipe validates for every size and method."""
+  import ml_collections
+  from hnclip_jax import config as config_lib, optim
+  from configs.siglip import get_config
+  on, off = (ml_collections.ConfigDict({"train_logit_scale": v}) for v in (True, False))
+  assert not optim.frozen_predicate(on, ())("logit_bias") and optim.frozen_predicate(off, ())("logit_bias")
+  c = config_lib.base_config()
+  c.finetune.method = "lora"
+  frozen = optim.frozen_predicate(on, optim.freeze_patterns(c, CLIPConfig(adapter="lora", logit_bias=True)))
+  assert not frozen("logit_bias") and not frozen("vision_head/attn/q/lora/lora_a")
+  assert frozen("text_head/kernel") and frozen("vision_head/probe")
+  for variant in ("synthetic", "docci,b16", "docci,lora", "urban1k,dora,l16_256"):
+    cfg = config_lib.validate(get_config(variant))
+    assert cfg.loss.kind == "sigmoid" and cfg.model.family == "siglip" and cfg.model.text_context == 196
+  with pytest.raises(ValueError, match="unknown variant 'vitl'"):
+    get_config("docci,vitl")
