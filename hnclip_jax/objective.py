@@ -141,7 +141,7 @@ class Objective:
       out.update(t.outputs(model, out, inputs, rng, hidden))
     if not self.needs_tokens:  # a term's outputs were made from them; the loss does not read them
       out = {k: v for k, v in out.items() if k not in ("img_tokens", "txt_tokens", "txt_mask")}
-    return out
+    return self.select_tokens(out)
 
   def __call__(self, outputs: dict, mesh, step=None):
     """outputs: the model's outputs dict, [B, ...] leaves sharded over the batch axes of `mesh`; step: the train
@@ -177,7 +177,7 @@ class Objective:
         margin = (self.gamma, out["txt"], txt_all) if self.token_margin and losses.has_margin(self.gamma) else None
         # [B, n] columns of S^T (all captions vs this device's images) -> this device's [n, B] rows of it.
         cols_to_rows = lambda x: jax.lax.all_to_all(x, axes, 0, 1, tiled=True)
-        tok = self._kept_tokens(out)
+        tok = out  # with token_keep < 1, already the kept tokens (`forward` selects them)
         if self.token_group:  # each group of G consecutive rows on its own: on this device, nothing sent
           ti2t, tt2i = self._grouped_token_rows(tok, tok_scale)
         elif self.token_schedule == "ring":  # caption-token tiles around the batch axes: O(n) tokens per device
@@ -207,16 +207,18 @@ class Objective:
     fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=out_specs)
     return fn({k: (jnp.asarray(v, jnp.float32) if k in GLOBAL_OUTPUTS else v) for k, v in outputs.items()}, scheds)
 
-  def _kept_tokens(self, out) -> dict:
-    """The token term's inputs {"img_tokens", "txt_tokens", "txt_mask", "txt"} for this device's rows: all tokens,
-    or with token_keep < 1 the kept fraction of each example's (`losses.select_tokens`), chosen on the device that
-    holds the example, before anything is sent."""
-    tok = {k: out[k] for k in ("img_tokens", "txt_tokens", "txt_mask", "txt")}
-    if self.token_keep < 1:
-      tok["img_tokens"], _ = losses.select_tokens(out["img_tokens"], out["img"], self.token_keep)
-      tok["txt_tokens"], tok["txt_mask"] = losses.select_tokens(out["txt_tokens"], out["txt"], self.token_keep,
-                                                                out["txt_mask"])
-    return tok
+  def select_tokens(self, out) -> dict:
+    """`out` with the token term's inputs ("img_tokens", "txt_tokens", "txt_mask") cut to the kept fraction of each
+    example's tokens when token_keep < 1 (`losses.select_tokens`; unchanged otherwise). `forward` applies it, so
+    the selection happens per micro-batch on the device that holds the example, before anything is sent, and the
+    global-batch accumulation caches (and back-propagates) only the kept tokens."""
+    if not self.needs_tokens or self.token_keep >= 1:
+      return out
+    out = dict(out)
+    out["img_tokens"], _ = losses.select_tokens(out["img_tokens"], out["img"], self.token_keep)
+    out["txt_tokens"], out["txt_mask"] = losses.select_tokens(out["txt_tokens"], out["txt"], self.token_keep,
+                                                              out["txt_mask"])
+    return out
 
   def _grouped_token_rows(self, out, scale):
     """The token term's per-example (i2t [n], t2i [n]) with each example's negatives its group of `token_group`

@@ -211,7 +211,8 @@ def test_token_keep_matches_numpy(keep, group):
     return float(np.mean(parts))
 
   obj = Objective(gamma=0.5, token_weight=1.0, token_margin=True, token_group=group, token_keep=keep)
-  got, g = _value_and_grads(obj, out)
+  selected = lambda o, mesh: obj(obj.select_tokens(o), mesh)  # what `forward` does before the loss  # noqa: E731
+  got, g = _value_and_grads(selected, out)
   np.testing.assert_allclose(got, hn + term(it, tt), rtol=1e-5)
   np.testing.assert_allclose(g["img_tokens"], _numeric_grad(lambda x: term(x, tt), it), rtol=1e-3, atol=2e-6)
   np.testing.assert_allclose(g["txt_tokens"], _numeric_grad(lambda x: term(it, x), tt), rtol=1e-3, atol=2e-6)
