@@ -331,3 +331,30 @@ def test_logit_bias_trains_and_freezes_with_the_scale():
     assert cfg.loss.kind == "sigmoid" and cfg.model.family == "siglip" and cfg.model.text_context == 196
   with pytest.raises(ValueError, match="unknown variant 'vitl'"):
     get_config("docci,vitl")
+
+
+def test_inspect_counts_siglip_tokens(spiece_dir, tmp_path):
+  """data.inspect with a SigLIP directory: SigLIP token counts (text + "</s>") and the share truncated at SigLIP's 64
+  positions and at the 196 of configs/siglip.py."""
+  import io
+  import sentencepiece
+  from PIL import Image
+  from conftest import run_py
+  from hnclip_jax.data.siglip_tokenizer import canonicalize
+  m = tmp_path / "m"
+  texts = ["a red cube", " ".join(["green balls"] * 12), " ".join(["two wooden tables"] * 40)]
+  for i, text in enumerate(texts, 1):
+    (m / "image").mkdir(parents=True, exist_ok=True)
+    (m / "caption").mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(buf, format="JPEG")
+    (m / "image" / f"{i}.jpg").write_bytes(buf.getvalue())
+    (m / "caption" / f"{i}.txt").write_text(text)
+  sp = sentencepiece.SentencePieceProcessor(model_file=str(spiece_dir / "spiece.model"))
+  counts = np.array([len(sp.encode(canonicalize(t))) + 1 for t in texts])
+  assert counts.min() <= 64 < counts.max()  # the three captions straddle the contexts
+  proc = run_py(["-m", "hnclip_jax.data.inspect", "urban1k", "--split", "test", f"--manual_dir={m}",
+                 f"--data_dir={tmp_path / 'd'}", f"--vocab={spiece_dir}"])
+  assert f"tokens (SigLIP, with start/end): mean {counts.mean():.1f}" in proc.stdout, proc.stdout
+  for ctx in (64, 196):
+    assert f"truncated at {ctx} tokens: {100 * np.mean(counts > ctx):.1f}%" in proc.stdout
