@@ -358,3 +358,18 @@ def test_inspect_counts_siglip_tokens(spiece_dir, tmp_path):
   assert f"tokens (SigLIP, with start/end): mean {counts.mean():.1f}" in proc.stdout, proc.stdout
   for ctx in (64, 196):
     assert f"truncated at {ctx} tokens: {100 * np.mean(counts > ctx):.1f}%" in proc.stdout
+
+
+def test_clip_only_frameworks_refuse_siglip_models():
+  """FineLIP, GOAL and StructXLIP are built on CLIP's class token, end-token pooling, crops and sentence spans: a
+  SigLIP model is refused by name before anything is built."""
+  from hnclip_jax import config as config_lib
+  from hnclip_jax.frameworks.finelip import FineLIPTerm
+  from hnclip_jax.frameworks import goal, structxlip
+  siglip = CLIPConfig(family="siglip", logit_bias=True, embed_dim=128)
+  with pytest.raises(ValueError, match="framework='finelip' aggregates CLIP's tokens.*'siglip' is not supported"):
+    FineLIPTerm(weight=1.0).check(siglip, None)
+  c = config_lib.base_config()
+  for mod, name in ((goal, "goal"), (structxlip, "structxlip")):
+    with pytest.raises(ValueError, match=f"framework='{name}' crops.*'siglip' is not supported"):
+      mod.inputs(c, siglip, None)

@@ -191,6 +191,10 @@ class FineLIPTerm(Term):
             "txt_agg": aggregate_text(model, hidden["text_tokens"], inputs["tokens"])}
 
   def check(self, model_cfg, objective) -> None:
+    if model_cfg.family != "clip":
+      raise ValueError(f"config.framework='finelip' aggregates CLIP's tokens (the class token first, the text up to its "
+                       f"end-of-text token); model.family={model_cfg.family!r} is not supported by it (use a CLIP "
+                       "model, or the longclip framework)")
     if not has_aggregators(model_cfg):
       raise ValueError("config.framework='finelip' needs the model's token aggregators, but this model has none "
                        "(config.finelip.tokens=0?)")

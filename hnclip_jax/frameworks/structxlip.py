@@ -228,7 +228,7 @@ def inputs(config, model_cfg, tokenizer):
   if model_cfg.family != "clip":
     raise ValueError(f"config.framework='structxlip' crops and preprocesses images and locates sentences among "
                      f"tokens the CLIP way; model.family={model_cfg.family!r} is not supported by it (use a CLIP "
-                     "model, or the longclip or finelip framework)")
+                     "model, or the longclip framework)")
   return StructureInputs(tokenizer, model_cfg.image_size, StructureSettings.from_config(config.structxlip))
 
 
