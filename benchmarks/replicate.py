@@ -115,6 +115,10 @@ def main():
   p.add_argument("--token_groups", default="",
                  help="comma-separated G: also fine-tune with the token term (λ = 1, γ 0.5, every seed) on groups of G "
                       "examples (config.loss.token_group), next to the whole-batch term from the same start")
+  p.add_argument("--loss", default="softmax", choices=("softmax", "sigmoid"),
+                 help="sigmoid: the same regime with a SigLIP-family tiny model (attention-pooling head, "
+                      "bidirectional text, logit bias) and SigLIP's sigmoid loss (config.loss.kind), HN-SigLIP vs "
+                      "SigLIP over γ; the telemetry compares against plain SigLIP")
   p.add_argument("--token_keeps", default="",
                  help="comma-separated f in (0, 1): the same with the token term on the fraction f of each example's "
                       "tokens (config.loss.token_keep)")
@@ -123,6 +127,10 @@ def main():
   os.makedirs(out, exist_ok=True)
   # --out holds one regime and size: reusing it for another would skip "finished" runs of the wrong kind.
   setup_file, setup = os.path.join(out, "replicate_setup.json"), {"regime": a.regime, "quick": a.quick}
+  if a.loss != "softmax":
+    setup["loss"] = a.loss
+    if a.frameworks:
+      raise SystemExit("--frameworks with --loss sigmoid: FineLIP, GOAL and StructXLIP are built on CLIP towers")
   if os.path.exists(setup_file):
     with open(setup_file) as f:
       before = json.load(f)
@@ -145,6 +153,14 @@ def main():
   num_train, batch = (128, 16) if a.quick else (4096, 128)
   shared = ["--config.log_every=%d" % log_every, "--config.eval_every=100000", "--config.checkpoint_every=100000"] \
       + ([f"--config.data.data_dir={a.data_dir}"] if a.data_dir else [])
+  plain = "infonce"  # the telemetry's name for the global term without the margin
+  if a.loss == "sigmoid":  # a SigLIP-family model of the configs' size, trained with the sigmoid loss throughout
+    import runpy
+    path, _, arg = variant.partition(":")
+    width = runpy.run_path(path)["get_config"](*([arg] if arg else [])).model.vision_width
+    shared += ["--config.model.family=siglip", "--config.model.logit_bias=True", "--config.model.act=gelu_tanh",
+               f"--config.model.embed_dim={width}", "--config.loss.kind=sigmoid"]
+    plain = "siglip"
   common = ["--config", variant, *shared]
   pre = os.path.join(out, "pretrain")
   ft_args = ["--config.optimizer.lr=2e-4", "--config.optimizer.warmup_steps=0", f"--config.total_steps={ft_steps}",
@@ -208,7 +224,7 @@ def main():
 
   steps_per_epoch = max(1, num_train // batch)
   results = {"pretrain": final_recall(pre), "by_gamma": {}, "saturation": {}, "setup": {
-      "regime": a.regime, "pretrain_steps": pre_steps, "finetune_steps": ft_steps, "batch": batch,
+      "regime": a.regime, "loss": a.loss, "pretrain_steps": pre_steps, "finetune_steps": ft_steps, "batch": batch,
       "num_train": num_train, "seeds": seeds, "gammas": gammas, "pretrain_config": pre_variant, "config": variant}}
   results["geometry"] = {name: json.load(open(os.path.join(out, name, "summary.json")))
                          for name in ["geometry_pretrained"] + [f"geometry_finetuned_gamma{g}" for g in (0.0, 0.5)]
@@ -232,7 +248,7 @@ def main():
     if (g, seeds[0]) not in runs:
       continue
     w = runs[(g, seeds[0])]
-    name = "hn" if g else "infonce"
+    name = "hn" if g else plain
     results["saturation"][str(g)] = {
         "batch_loss_below_1e-3": per_epoch(w, steps_per_epoch, f"diag/{name}/loss", lambda v: v < 1e-3),
         # share of logged examples whose own loss is below 1e-3 (the paper's Fig. 4 "examples" curve)
@@ -241,12 +257,13 @@ def main():
         "batches_majority_saturated": per_epoch(w, steps_per_epoch, f"diag/{name}/saturated_frac",
                                                 lambda v: v > 0.5),
         "zero_embedding_gradient": per_epoch(w, steps_per_epoch, f"diag/{name}/emb_grad_zero", lambda v: v == 1),
-        "infonce_saturated_frac_mean": float(np.mean([r["diag/infonce/saturated_frac"] for r in rows(w)
-                                                      if "diag/infonce/saturated_frac" in r])),
+        f"{plain}_saturated_frac_mean": float(np.mean([r[f"diag/{plain}/saturated_frac"] for r in rows(w)
+                                                       if f"diag/{plain}/saturated_frac" in r])),
         "hn_saturated_frac_mean": float(np.mean([r["diag/hn/saturated_frac"] for r in rows(w)
                                                  if "diag/hn/saturated_frac" in r])),
     }
-    ratios = [r["diag/grad_norm_ratio_hn_over_infonce"] for r in rows(w) if "diag/grad_norm_ratio_hn_over_infonce" in r]
+    ratio_key = f"diag/grad_norm_ratio_hn_over_{plain}"
+    ratios = [r[ratio_key] for r in rows(w) if ratio_key in r]
     cos = [r["diag/grad_cosine"] for r in rows(w) if "diag/grad_cosine" in r]
     results["saturation"][str(g)]["grad_norm_ratio_median"] = float(np.median(ratios)) if ratios else None
     results["saturation"][str(g)]["grad_cosine_median"] = float(np.median(cos)) if cos else None
@@ -315,7 +332,7 @@ def main():
   plt.close(fig)
   fig, ax = plt.subplots(figsize=(5, 3.5))
   for g, sat in results["saturation"].items():
-    v = [r.get("diag/infonce/saturated_frac" if g == "0.0" else "diag/hn/saturated_frac")
+    v = [r.get(f"diag/{plain}/saturated_frac" if g == "0.0" else "diag/hn/saturated_frac")
          for r in rows(runs[(float(g), seeds[0])])]
     steps = [r["step"] for r in rows(runs[(float(g), seeds[0])])]
     xs = [s for s, x in zip(steps, v) if x is not None]
