@@ -14,7 +14,7 @@ from hnclip_jax.models import CLIP, CLIPConfig, PRESETS, split_params  # noqa: E
 from hnclip_jax.pretrained import weights  # noqa: E402
 
 
-def hf_siglip(seed=0, context=12, vocab=300, act="gelu_pytorch_tanh", layers=(2, 2)):
+def hf_siglip(seed=0, context=12, vocab=300, act="gelu_pytorch_tanh", layers=(2, 2), image=32):
   """A tiny random SiglipModel, every weight moved off its initial value (so a mixed-up weight cannot hide)."""
   torch.manual_seed(seed)
   cfg = transformers.SiglipConfig(
@@ -22,7 +22,7 @@ def hf_siglip(seed=0, context=12, vocab=300, act="gelu_pytorch_tanh", layers=(2,
                        num_attention_heads=4, max_position_embeddings=context, hidden_act=act, eos_token_id=1,
                        pad_token_id=1, projection_size=48),
       vision_config=dict(hidden_size=48, intermediate_size=64, num_hidden_layers=layers[0], num_attention_heads=6,
-                         image_size=32, patch_size=8, hidden_act=act))
+                         image_size=image, patch_size=8, hidden_act=act))
   model = transformers.SiglipModel(cfg).eval()
   with torch.no_grad():
     for p in model.parameters():
@@ -145,7 +145,7 @@ def test_siglip_config_is_refused_with_reasons():
 def test_siglip_presets_have_the_published_shapes(name):
   """Parameter counts of the presets against the published model sizes (transformers' SiglipModel of the same
   configuration, built on the meta device: no memory, no download)."""
-  cfg = PRESETS[name]
+  cfg = PRESETS[name].validate()
   ours = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
       split_params(__import__("flax").nnx.eval_shape(lambda: CLIP(cfg, rngs=__import__("flax").nnx.Rngs(0))))[1]))
   hf = transformers.SiglipConfig(
@@ -373,3 +373,17 @@ def test_clip_only_frameworks_refuse_siglip_models():
   for mod, name in ((goal, "goal"), (structxlip, "structxlip")):
     with pytest.raises(ValueError, match=f"framework='{name}' crops.*'siglip' is not supported"):
       mod.inputs(c, siglip, None)
+
+
+def test_image_size_not_a_multiple_of_the_patch(tmp_path):
+  """SigLIP So400m/14 runs at 384 px: 27 x 27 patches, the last pixels unused, as transformers' conv does. A 36 px
+  model with 8 px patches (4 x 4 patches, 4 px left over) gives transformers' image embeddings."""
+  model = hf_siglip(seed=4, image=36)
+  model.save_pretrained(tmp_path)
+  pm = pretrained.load(str(tmp_path))
+  assert pm.config.image_size == 36 and pm.params["vision_positions"].shape[0] == 16
+  pixels = np.random.default_rng(3).normal(size=(3, 36, 36, 3)).astype(np.float32)
+  with torch.no_grad():
+    want = model.get_image_features(pixel_values=torch.from_numpy(pixels).permute(0, 3, 1, 2))
+  want = getattr(want, "pooler_output", want).numpy()
+  np.testing.assert_allclose(pm.encode_pixels(pixels), want / np.linalg.norm(want, axis=-1, keepdims=True), atol=1e-5)

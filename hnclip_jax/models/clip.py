@@ -101,7 +101,9 @@ class CLIPConfig:
       may_be_zero = f.name == "adapter_dropout"
       if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 and not may_be_zero:
         raise ValueError(f"config.model.{f.name}={v} must be positive")
-    if self.image_size % self.patch_size:
+    # SigLIP's conv covers the whole patches only (So400m/14 at 384 px: 27 x 27 patches, the last 6 pixel rows and
+    # columns unused), as transformers' does; CLIP's sizes always tile the image.
+    if self.image_size % self.patch_size and self.family != "siglip":
       raise ValueError(f"config.model.image_size={self.image_size} is not a multiple of "
                        f"config.model.patch_size={self.patch_size}")
     for tower in ("vision", "text"):
