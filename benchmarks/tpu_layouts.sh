@@ -41,3 +41,9 @@ run v5e:4x4 16x1x1 batch_size=32768 grad_accum_steps=32 remat=full loss.token_we
 # The token term on each example's kept half of its tokens (loss.token_keep=0.5: ~4x less token work, half the caption
 # tokens gathered) at 32k, where neither schedule of the whole term fits v5e-16.
 run v5e:4x4 16x1x1 batch_size=32768 grad_accum_steps=32 remat=full loss.token_weight=1 loss.token_keep=0.5 loss.token_schedule=ring
+# ... and at 8k, where the whole term's ring fits, to see what the selection saves or adds.
+run v5e:4x4 16x1x1 batch_size=8192 grad_accum_steps=8 remat=full loss.token_weight=1 loss.token_keep=0.5 loss.token_schedule=ring
+# HN-SigLIP: a SigLIP So400m/14 (384 px, 196 text tokens) step with the sigmoid loss's ring schedule on v5p-32.
+python -m hnclip_jax.tools.compile_for --config configs/siglip.py --topology v5p:2x4x4 --sweep --layouts 32x1x1 \
+  --config.dtype=bfloat16 --grid batch_size=1024 --grid grad_accum_steps=1 --grid remat=full --out "$out" \
+  --hlo_dir "$hlo" 2>&1 | grep '^{' | sed "s/^/v5p:2x4x4 /"
