@@ -28,6 +28,9 @@ def test_readme_install_in_a_fresh_venv(tmp_path, tfds_dir):
   env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
   env.update(JAX_PLATFORMS="cpu", PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}")
   assert sh([py, "-c", "import importlib.util as u; print(u.find_spec('torch'))"], env=env).stdout.strip() == "None"
+  # SigLIP's tokenizer backend comes with the requirements (no PyTorch, no transformers).
+  assert sh([py, "-c", "import sentencepiece, hnclip_jax.data.siglip_tokenizer as s; print(s.canonicalize('A,  B!'))"],
+            env=env).stdout.strip() == "a b"
 
   w, report, hf = tmp_path / "w", tmp_path / "report", tmp_path / "hf"
   base = ["--config", "configs/demo.py:test", "--workdir", str(w), f"--config.data.data_dir={tfds_dir}",
