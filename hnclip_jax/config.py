@@ -220,6 +220,11 @@ def check_loss_kind(config) -> None:
   if loss.kind != "sigmoid" and loss.sigmoid_schedule != defaults.sigmoid_schedule:
     raise ValueError(f"config.loss.sigmoid_schedule={loss.sigmoid_schedule!r} set, but config.loss.kind="
                      f"{loss.kind!r}: it applies to the sigmoid loss only. Set kind='sigmoid', or drop it")
+  if (loss.kind == "sigmoid" and loss.sigmoid_schedule == "ring" and int(loss.chunk_size)
+      and not float(loss.token_weight) > 0):
+    raise ValueError(f"config.loss.chunk_size={loss.chunk_size} set, but the sigmoid loss's ring schedule scores one "
+                     "visiting chunk of captions at a time already (and the token term is off), so it would do "
+                     "nothing. Drop it, or use config.loss.sigmoid_schedule='gather' to score rows in chunks")
 
 
 def check_token_settings(config) -> None:

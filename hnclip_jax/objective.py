@@ -7,7 +7,8 @@ comparison all call it on the model's outputs dict (`CLIP.__call__`: "img", "txt
 
     L = w_g·L_HN(γ) + λ·L_tok + Σ_terms (the framework's terms)      (paper Eq. 2 and 3; λ = config.loss.token_weight)
 
-L_HN is HN-CLIP's global term, L_tok the FILIP token term. A fine-tuning framework adds its terms through
+L_HN is HN-CLIP's global term (with config.loss.kind="sigmoid", SigLIP's pairwise sigmoid loss with the same margin:
+HN-SigLIP), L_tok the FILIP token term. A fine-tuning framework adds its terms through
 `hnclip_jax.frameworks` (each a `frameworks.Term`; docs/frameworks.md); w_g = 1 except where a framework sets it (its
 `objective` hook).
 

@@ -124,6 +124,11 @@ def test_sigmoid_loss_needs_a_logit_bias_and_valid_settings():
     config_lib.validate(c)
   c.loss.kind = "sigmoid"
   config_lib.validate(c)
+  c.loss.chunk_size = 4
+  config_lib.validate(c)  # the gather schedule scores rows in chunks
+  c.loss.sigmoid_schedule = "ring"
+  with pytest.raises(ValueError, match="config.loss.chunk_size=4 set, but the sigmoid loss's ring schedule"):
+    config_lib.validate(c)
   assert optim.logit_scale_max(c) == float("inf") and optim.logit_scale_max(config_lib.base_config()) == \
       LOGIT_SCALE_PARAM_MAX
 
