@@ -62,14 +62,8 @@ def _blocks(params, tower):
   return [blocks[i] if i in blocks else blocks[str(i)] for i in range(len(blocks))]
 
 
-def hf_state_dict(params, cfg) -> dict:
-  """Our params -> transformers CLIPModel state dict (NumPy fp32, PyTorch layouts)."""
-  if cfg.token_projection != "shared":
-    raise ValueError("this model has separate token projections (config.model.token_projection='separate'); the "
-                     "Hugging Face CLIP format has no place for them")
-  sd = {}
-  linear, norm = _writers(sd)
-
+def _hf_encoder_blocks(params, linear, norm) -> None:
+  """Both towers' transformer blocks in transformers' layout (the same in CLIPModel and SiglipModel)."""
   for tower, prefix in (("vision", "vision_model"), ("text", "text_model")):
     for i, b in enumerate(_blocks(params, tower)):
       p = f"{prefix}.encoder.layers.{i}."
@@ -80,6 +74,16 @@ def hf_state_dict(params, cfg) -> dict:
       linear(p + "self_attn.out_proj", b["attn"]["out"])
       linear(p + "mlp.fc1", b["fc1"])
       linear(p + "mlp.fc2", b["fc2"])
+
+
+def hf_state_dict(params, cfg) -> dict:
+  """Our params -> transformers CLIPModel state dict (NumPy fp32, PyTorch layouts)."""
+  if cfg.token_projection != "shared":
+    raise ValueError("this model has separate token projections (config.model.token_projection='separate'); the "
+                     "Hugging Face CLIP format has no place for them")
+  sd = {}
+  linear, norm = _writers(sd)
+  _hf_encoder_blocks(params, linear, norm)
   sd["vision_model.embeddings.patch_embedding.weight"] = _f32(
       np.asarray(params["patch_embed"]["kernel"]).transpose(3, 2, 0, 1))
   sd["vision_model.embeddings.class_embedding"] = _f32(params["class_embedding"])
@@ -99,16 +103,7 @@ def hf_siglip_state_dict(params, cfg) -> dict:
   """Our SigLIP params -> transformers SiglipModel state dict (NumPy fp32, PyTorch layouts)."""
   sd = {}
   linear, norm = _writers(sd)
-  for tower, prefix in (("vision", "vision_model"), ("text", "text_model")):
-    for i, b in enumerate(_blocks(params, tower)):
-      p = f"{prefix}.encoder.layers.{i}."
-      norm(p + "layer_norm1", b["ln1"])
-      norm(p + "layer_norm2", b["ln2"])
-      for k in ("q", "k", "v"):
-        linear(p + f"self_attn.{k}_proj", b["attn"][k])
-      linear(p + "self_attn.out_proj", b["attn"]["out"])
-      linear(p + "mlp.fc1", b["fc1"])
-      linear(p + "mlp.fc2", b["fc2"])
+  _hf_encoder_blocks(params, linear, norm)
   sd["vision_model.embeddings.patch_embedding.weight"] = _f32(
       np.asarray(params["patch_embed"]["kernel"]).transpose(3, 2, 0, 1))
   sd["vision_model.embeddings.patch_embedding.bias"] = _f32(params["patch_embed"]["bias"])
