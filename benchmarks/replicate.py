@@ -3,24 +3,33 @@
   python benchmarks/replicate.py --out /tmp/hnclip_replication            # two-stage regime (default)
   python benchmarks/replicate.py --out /tmp/r --quick                     # seconds-scale smoke run (the tests)
   python benchmarks/replicate.py --out /tmp/r0 --regime dense_start       # the first design (docs: "before")
+  python benchmarks/replicate.py --out /tmp/r3 --regime three_stage --seeds 0,1,2,3,4 --gammas 0,0.25,0.5,0.75,1.0
+                                                                          # CLIP -> Long-CLIP -> dense fine-tune
 
 1. Pre-train a tiny CLIP with plain InfoNCE (γ = 0): the "pre-trained initialisation". `two_stage` (default):
    on short alt-text captions of independent scenes, 32 text positions (configs/two_stage.py:pretrain), as CLIP
-   was pre-trained on short web captions; `dense_start`: on the dense near-duplicate set itself (configs/demo.py).
+   was pre-trained on short web captions; `dense_start`: on the dense near-duplicate set itself (configs/demo.py);
+   `three_stage`: stage 1 as two_stage's (logit scale learning faster, as CLIP's climbs to 100), then a "Long-CLIP"
+   stage, InfoNCE on a second dense-caption domain (configs/three_stage.py:longclip), whose model is the start;
+   its recall on the target test set is measured with eval.py before fine-tuning (start_recall.json).
 2. Caption geometry of the dense test captions under the pre-trained text encoder (tools/caption_geometry,
    before any fine-tuning; again after fine-tuning with γ 0 and 0.5, seed 0).
 3. Fine-tune from it on the dense set with each γ and seed, same budget, saturation telemetry on every logged
    step and the HN-vs-InfoNCE parameter-gradient comparison every few steps.
-4. Data efficiency: γ = 0.5 on 20% of the training set vs γ = 0 on 100%. Optionally (--token_weights,
-   --methods) the token term and LoRA/DoRA, γ 0 and 0.5; (--token_groups, --token_keeps) the token term's cheaper
-   options at λ = 1, γ = 0.5 next to the whole term.
-Writes results.json, table.md, recall_vs_gamma.png and saturation.png to --out. Every number comes from the runs'
+4. Data efficiency: γ = 0.5 on 20% of the training set vs γ = 0 on 100% (seed 0; every seed under three_stage).
+   Optionally (--token_weights, --methods, --frameworks, --frozen_scale) the token term, LoRA/DoRA, a framework or a
+   frozen logit scale, γ 0 and 0.5; (--token_groups, --token_keeps) the token term's cheaper options at λ = 1,
+   γ = 0.5 next to the whole term. Every γ = 0.5 vs γ = 0 comparison is also reported as a paired difference over
+   the seeds (same start, same data order) with its 95% t-interval (results.json "paired").
+Writes results.json, table.md, recall_vs_gamma.png, saturation.png, fig4_saturation_per_epoch.png and
+fig6_data_efficiency.png to --out. Every number comes from the runs'
 metrics.jsonl and geometry summary.json files, so the report can be regenerated from a finished --out with
 --report_only. Finished runs are skipped when the command is run again.
 """
 import argparse
 import json
 import os
+import runpy
 import subprocess
 import sys
 
@@ -86,6 +95,66 @@ def per_epoch_mean(workdir, steps_per_epoch, key):
   return {e: float(np.mean(v)) for e, v in sorted(out.items())}
 
 
+def paired(a_dirs, b_dirs) -> dict:
+  """{"t2i/R@1": {"mean": .., "ci95": [lo, hi], "per_seed": [..]}, ...}: recall of b minus recall of a, run by run
+  (the same seed, so the same start and data order), with the 95% Student-t interval of the mean difference
+  (None with one seed)."""
+  from scipy import stats  # a dependency of jax
+  ra, rb = [final_recall(w) for w in a_dirs], [final_recall(w) for w in b_dirs]
+  out = {}
+  for k in ra[0]:
+    d = np.array([y[k] - x[k] for x, y in zip(ra, rb)])
+    half = float(stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else None
+    out[k] = {"mean": float(d.mean()), "ci95": None if half is None else [float(d.mean() - half),
+                                                                           float(d.mean() + half)],
+              "per_seed": [float(x) for x in d]}
+  return out
+
+
+def saturation(w, g, plain, steps_per_epoch, batch) -> dict:
+  """What one fine-tuning run's telemetry says about saturation (γ = g; `plain` the global term's name without the
+  margin): per-epoch shares (the paper's Fig. 4), the gradient comparison, the loss level and Ḡ statistics."""
+  name = "hn" if g else plain
+  out = {
+      "batch_loss_below_1e-3": per_epoch(w, steps_per_epoch, f"diag/{name}/loss", lambda v: v < 1e-3),
+      # share of logged examples whose own loss is below 1e-3 (the paper's Fig. 4 "examples" curve)
+      "examples_below_1e-3": per_epoch_mean(w, steps_per_epoch, f"diag/{name}/saturated_frac"),
+      # the same share for the other term, computed on the same batches (InfoNCE's under γ > 0, HN's under γ = 0)
+      f"{plain}_examples_below_1e-3": per_epoch_mean(w, steps_per_epoch, f"diag/{plain}/saturated_frac"),
+      # share of logged batches with more than half of their examples below 1e-3 (not a share of examples)
+      "batches_majority_saturated": per_epoch(w, steps_per_epoch, f"diag/{name}/saturated_frac", lambda v: v > 0.5),
+      "zero_embedding_gradient": per_epoch(w, steps_per_epoch, f"diag/{name}/emb_grad_zero", lambda v: v == 1),
+      f"{plain}_zero_embedding_gradient": per_epoch(w, steps_per_epoch, f"diag/{plain}/emb_grad_zero",
+                                                    lambda v: v == 1),
+      "G_offdiag_mean": per_epoch_mean(w, steps_per_epoch, "diag/G_offdiag_mean"),
+      "logit_scale": per_epoch_mean(w, steps_per_epoch, "logit_scale"),
+      f"{plain}_saturated_frac_mean": float(np.mean([r[f"diag/{plain}/saturated_frac"] for r in rows(w)
+                                                     if f"diag/{plain}/saturated_frac" in r])),
+      "hn_saturated_frac_mean": float(np.mean([r["diag/hn/saturated_frac"] for r in rows(w)
+                                               if "diag/hn/saturated_frac" in r])),
+  }
+  ratio_key = f"diag/grad_norm_ratio_hn_over_{plain}"
+  ratios = [r[ratio_key] for r in rows(w) if ratio_key in r]
+  cos = [r["diag/grad_cosine"] for r in rows(w) if "diag/grad_cosine" in r]
+  out["grad_norm_ratio_median"] = float(np.median(ratios)) if ratios else None
+  out["grad_cosine_median"] = float(np.median(cos)) if cos else None
+  out["grad_norm_ratio_range"] = [float(min(ratios)), float(max(ratios))] if ratios else None
+  out["grad_cosine_range"] = [float(min(cos)), float(max(cos))] if cos else None
+  # Every other number docs/replication.md quotes: the loss level, Ḡ statistics, how many examples were logged.
+  logged = [r for r in rows(w) if f"diag/{name}/loss" in r]
+  out["telemetry"] = {
+      "logged_batches": len(logged), "logged_examples": len(logged) * batch,
+      **{f"{k}_median": float(np.median([r[k] for r in logged if k in r])) for k in
+         (f"diag/{name}/loss", "diag/G_offdiag_mean", "diag/G_offdiag_max", "diag/hardest_negative_sim")
+         if any(k in r for r in logged)},
+      "last_logged_loss": float(logged[-1][f"diag/{name}/loss"]) if logged else None,
+      "first_logged": {k: float(logged[0][k]) for k in ("step", f"diag/{name}/loss", "diag/G_offdiag_mean",
+                                                         "diag/hardest_negative_sim") if logged and k in logged[0]},
+      "last_logged": {k: float(logged[-1][k]) for k in ("step", "diag/G_offdiag_mean", "diag/hardest_negative_sim")
+                      if logged and k in logged[-1]}}
+  return out
+
+
 def geometry(config, model, out_dir, data_dir):
   """tools/caption_geometry on the dense test captions with `model` (skipped when its summary exists)."""
   if os.path.exists(os.path.join(out_dir, "summary.json")):
@@ -98,7 +167,7 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--out", required=True)
   p.add_argument("--quick", action="store_true")
-  p.add_argument("--regime", default="two_stage", choices=("two_stage", "dense_start"))
+  p.add_argument("--regime", default="two_stage", choices=("two_stage", "dense_start", "three_stage"))
   p.add_argument("--report_only", action="store_true")
   p.add_argument("--gammas", default="0,0.25,0.5,1.0")
   p.add_argument("--seeds", default="0,1,2")
@@ -106,10 +175,11 @@ def main():
   p.add_argument("--token_weights", default="",
                  help="comma-separated λ > 0: also fine-tune with the token term (γ 0 and 0.5, every seed)")
   p.add_argument("--methods", default="",
-                 help="comma-separated lora,dora: also fine-tune with adapters (rank 16, the full runs' lr x 25 as "
-                      "in the paper: 2e-6 -> 5e-5), γ 0 and 0.5, every seed")
+                 help="comma-separated lora,dora,dora_detached: also fine-tune with adapters (rank 16, the full runs' "
+                      "lr x 25 as in the paper: 2e-6 -> 5e-5; dora_detached: DoRA's column norm a constant in the "
+                      "backward pass, config.finetune.dora_detach_norm), γ 0 and 0.5, every seed")
   p.add_argument("--frameworks", default="",
-                 help="comma-separated finelip,goal: also fine-tune with that framework (config.framework; FineLIP's "
+                 help="comma-separated finelip,goal,structxlip: also fine-tune with that framework (config.framework; FineLIP's "
                       "hinge ramped in over one epoch, its aggregators at 10x the backbone's lr; GOAL with the "
                       "synthetic data's exact segments), γ 0 and 0.5, every seed")
   p.add_argument("--token_groups", default="",
@@ -122,6 +192,9 @@ def main():
   p.add_argument("--token_keeps", default="",
                  help="comma-separated f in (0, 1): the same with the token term on the fraction f of each example's "
                       "tokens (config.loss.token_keep)")
+  p.add_argument("--frozen_scale", action="store_true",
+                 help="also fine-tune with the logit scale frozen at the start's value "
+                      "(config.optimizer.train_logit_scale=False), γ 0 and 0.5, every seed")
   a = p.parse_args()
   out = os.path.abspath(a.out)
   os.makedirs(out, exist_ok=True)
@@ -146,6 +219,10 @@ def main():
   if a.regime == "two_stage":
     pre_variant, variant = f"configs/two_stage.py:pretrain{test}", f"configs/two_stage.py:finetune{test}"
     pre_steps = 4 if a.quick else 600
+  elif a.regime == "three_stage":
+    pre_variant, variant = f"configs/three_stage.py:pretrain{test}", f"configs/three_stage.py:finetune{test}"
+    mid_variant = f"configs/three_stage.py:longclip{test}"
+    pre_steps = 4 if a.quick else 600
   else:
     pre_variant = variant = "configs/demo.py:test" if a.quick else "configs/demo.py"
     pre_steps = 4 if a.quick else 300
@@ -155,7 +232,6 @@ def main():
       + ([f"--config.data.data_dir={a.data_dir}"] if a.data_dir else [])
   plain = "infonce"  # the telemetry's name for the global term without the margin
   if a.loss == "sigmoid":  # a SigLIP-family model of the configs' size, trained with the sigmoid loss throughout
-    import runpy
     path, _, arg = variant.partition(":")
     width = runpy.run_path(path)["get_config"](*([arg] if arg else [])).model.vision_width
     shared += ["--config.model.family=siglip", "--config.model.logit_bias=True", "--config.model.act=gelu_tanh",
@@ -163,8 +239,17 @@ def main():
     plain = "siglip"
   common = ["--config", variant, *shared]
   pre = os.path.join(out, "pretrain")
-  ft_args = ["--config.optimizer.lr=2e-4", "--config.optimizer.warmup_steps=0", f"--config.total_steps={ft_steps}",
-             f"--config.init_from={pre}", f"--config.diagnostics.every={2 if a.quick else 25}"]
+  # The fine-tuning start: stage 1's model, or under three_stage the "Long-CLIP" stage's (trained from stage 1).
+  mid = os.path.join(out, "longclip") if a.regime == "three_stage" else None
+  start = mid or pre
+  if a.regime == "three_stage":  # the config's small lr (configs/three_stage.py:FINETUNE_LR)
+    path, _, arg = variant.partition(":")
+    ft_lr = runpy.run_path(path)["get_config"](arg).optimizer.lr
+    mid_steps = runpy.run_path(path)["get_config"](mid_variant.partition(":")[2]).total_steps
+  else:
+    ft_lr = 2e-4
+  ft_args = [f"--config.optimizer.lr={ft_lr}", "--config.optimizer.warmup_steps=0", f"--config.total_steps={ft_steps}",
+             f"--config.init_from={start}", f"--config.diagnostics.every={2 if a.quick else 25}"]
   runs = {(g, s): os.path.join(out, f"ft_gamma{g}_seed{s}") for g in gammas for s in seeds}
   token_weights = [float(x) for x in a.token_weights.split(",") if x]
   tok_runs = {(lam, g, s): os.path.join(out, f"ft_tok{lam}_gamma{g}_seed{s}")
@@ -172,6 +257,8 @@ def main():
   methods = [m for m in a.methods.split(",") if m]
   peft_runs = {(m, g, s): os.path.join(out, f"ft_{m}_gamma{g}_seed{s}") for m in methods for g in (0.0, 0.5)
                for s in seeds}
+  scale_runs = {(g, s): os.path.join(out, f"ft_frozenscale_gamma{g}_seed{s}") for g in (0.0, 0.5) for s in seeds} \
+      if a.frozen_scale else {}
   frameworks = [f for f in a.frameworks.split(",") if f]
   fw_runs = {(f, g, s): os.path.join(out, f"ft_fw_{f}_gamma{g}_seed{s}") for f in frameworks for g in (0.0, 0.5)
              for s in seeds}
@@ -183,12 +270,28 @@ def main():
   cost_runs = {(c, s): os.path.join(out, "ft_tok1.0_gamma0.5_seed%d" % s if c == "full" else
                                     f"ft_tok1.0_{c}_gamma0.5_seed{s}") for c in cost for s in seeds}
   small = os.path.join(out, "ft_gamma0.5_20pct")
+  # three_stage: the 20% run for every seed (a paired comparison with γ = 0 on 100%); otherwise seed 0 only
+  smalls = {s: small if s == 0 and a.regime != "three_stage" else f"{small}_seed{s}"
+            for s in (seeds if a.regime == "three_stage" else [0])}
+  start_recall = os.path.join(out, "start_recall.json")
   if not a.report_only:
     if not os.path.exists(os.path.join(pre, workdir.MODEL_JSON)) or not rows(pre)[-1:] or \
         rows(pre)[-1]["step"] < pre_steps:
       run(["--config", pre_variant, *shared, "--workdir", pre, "--config.loss.gamma=0",
            f"--config.total_steps={pre_steps}", f"--config.eval_every={pre_steps}"], os.path.join(out, "pretrain.log"))
-    geometry(variant, pre, os.path.join(out, "geometry_pretrained"), a.data_dir)
+    if mid and not (os.path.exists(os.path.join(mid, workdir.MODEL_JSON)) and finished(mid, mid_steps)):
+      run(["--config", mid_variant, *shared, "--workdir", mid, f"--config.init_from={pre}"],
+          os.path.join(out, "longclip.log"))
+    if mid and not os.path.exists(start_recall):
+      # the start's recall on the target's test set (eval.py with the fine-tuning config's data)
+      path, _, arg = variant.partition(":")
+      d = runpy.run_path(path)["get_config"](arg).data
+      python(["eval.py", "--config", variant, "--workdir", mid, *shared[3:]]
+             + [f"--config.data.{k}={d[k]}" for k in ("captions", "group_size", "seed", "num_train", "num_test")],
+             os.path.join(out, "start_recall.log"))
+      with open(os.path.join(mid, "eval_results.json")) as f, open(start_recall, "w") as g:
+        json.dump(json.load(f), g)
+    geometry(variant, start, os.path.join(out, "geometry_pretrained"), a.data_dir)
     for (g, s), w in runs.items():
       if finished(w, ft_steps):
         continue
@@ -206,31 +309,45 @@ def main():
     for (m, g, s), w in peft_runs.items():
       if finished(w, ft_steps):
         continue
-      run([*common, *ft_args, "--config.optimizer.lr=5e-3", "--workdir", w, f"--config.loss.gamma={g}",
-           f"--config.seed={s}", f"--config.finetune.method={m}", "--config.finetune.rank=16",
-           "--config.finetune.alpha=16"], w + ".log")
+      detach = ["--config.finetune.dora_detach_norm=True"] if m == "dora_detached" else []
+      run([*common, *ft_args, f"--config.optimizer.lr={25 * ft_lr:g}", "--workdir", w, f"--config.loss.gamma={g}",
+           f"--config.seed={s}", f"--config.finetune.method={m.removesuffix('_detached')}", *detach,
+           "--config.finetune.rank=16", "--config.finetune.alpha=16"], w + ".log")
+    for (g, s), w in scale_runs.items():
+      if finished(w, ft_steps):
+        continue
+      run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
+           "--config.optimizer.train_logit_scale=False"], w + ".log")
     for (f, g, s), w in fw_runs.items():
       if finished(w, ft_steps):
         continue
       fw_args = ["--config.optimizer.lr_multipliers=((r'^(image|text)_aggregator/', 10.0),)"] if f == "finelip" else []
       run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
            f"--config.framework={f}", *fw_args], w + ".log")
-    if not finished(small, ft_steps):
-      run([*common, *ft_args, "--workdir", small, "--config.loss.gamma=0.5", "--config.seed=0",
-           f"--config.data.num_train={num_train // 5}"], small + ".log")
+    for s, w in smalls.items():
+      if not finished(w, ft_steps):
+        run([*common, *ft_args, "--workdir", w, "--config.loss.gamma=0.5", f"--config.seed={s}",
+             f"--config.data.num_train={num_train // 5}"], w + ".log")
     for g in (0.0, 0.5):
       if (g, seeds[0]) in runs:
         geometry(variant, runs[(g, seeds[0])], os.path.join(out, f"geometry_finetuned_gamma{g}"), a.data_dir)
 
   steps_per_epoch = max(1, num_train // batch)
-  results = {"pretrain": final_recall(pre), "by_gamma": {}, "saturation": {}, "setup": {
+  results = {"pretrain": final_recall(pre), "by_gamma": {}, "saturation": {}, "paired": {}, "setup": {
       "regime": a.regime, "loss": a.loss, "pretrain_steps": pre_steps, "finetune_steps": ft_steps, "batch": batch,
       "num_train": num_train, "seeds": seeds, "gammas": gammas, "pretrain_config": pre_variant, "config": variant}}
   results["geometry"] = {name: json.load(open(os.path.join(out, name, "summary.json")))
                          for name in ["geometry_pretrained"] + [f"geometry_finetuned_gamma{g}" for g in (0.0, 0.5)]
                          if os.path.exists(os.path.join(out, name, "summary.json"))}
+  if mid:
+    results["longclip"] = final_recall(mid)  # on its own domain's test set
+    with open(start_recall) as f:
+      ev = json.load(f)
+    results["start_on_target"] = {f"{d}/R@{k}": ev[d][f"R@{k}"] for d in ("t2i", "i2t") for k in (1, 5, 10)}
   for g in gammas:
     results["by_gamma"][str(g)] = mean_std([runs[(g, s)] for s in seeds])
+    if g and 0.0 in gammas:
+      results["paired"][f"gamma{g}_vs_0"] = paired([runs[(0.0, s)] for s in seeds], [runs[(g, s)] for s in seeds])
   results["token_term"] = {}
   for lam in token_weights:
     for g in (0.0, 0.5):
@@ -245,44 +362,38 @@ def main():
     for g in (0.0, 0.5):
       results["frameworks"][f"{f}_gamma{g}"] = mean_std([fw_runs[(f, g, s)] for s in seeds])
   for g in (0.0, 0.5):
-    if (g, seeds[0]) not in runs:
-      continue
-    w = runs[(g, seeds[0])]
-    name = "hn" if g else plain
-    results["saturation"][str(g)] = {
-        "batch_loss_below_1e-3": per_epoch(w, steps_per_epoch, f"diag/{name}/loss", lambda v: v < 1e-3),
-        # share of logged examples whose own loss is below 1e-3 (the paper's Fig. 4 "examples" curve)
-        "examples_below_1e-3": per_epoch_mean(w, steps_per_epoch, f"diag/{name}/saturated_frac"),
-        # share of logged batches with more than half of their examples below 1e-3 (not a share of examples)
-        "batches_majority_saturated": per_epoch(w, steps_per_epoch, f"diag/{name}/saturated_frac",
-                                                lambda v: v > 0.5),
-        "zero_embedding_gradient": per_epoch(w, steps_per_epoch, f"diag/{name}/emb_grad_zero", lambda v: v == 1),
-        f"{plain}_saturated_frac_mean": float(np.mean([r[f"diag/{plain}/saturated_frac"] for r in rows(w)
-                                                       if f"diag/{plain}/saturated_frac" in r])),
-        "hn_saturated_frac_mean": float(np.mean([r["diag/hn/saturated_frac"] for r in rows(w)
-                                                 if "diag/hn/saturated_frac" in r])),
-    }
-    ratio_key = f"diag/grad_norm_ratio_hn_over_{plain}"
-    ratios = [r[ratio_key] for r in rows(w) if ratio_key in r]
-    cos = [r["diag/grad_cosine"] for r in rows(w) if "diag/grad_cosine" in r]
-    results["saturation"][str(g)]["grad_norm_ratio_median"] = float(np.median(ratios)) if ratios else None
-    results["saturation"][str(g)]["grad_cosine_median"] = float(np.median(cos)) if cos else None
-    results["saturation"][str(g)]["grad_norm_ratio_range"] = [float(min(ratios)), float(max(ratios))] if ratios else None
-    results["saturation"][str(g)]["grad_cosine_range"] = [float(min(cos)), float(max(cos))] if cos else None
-    # Every other number docs/replication.md quotes: the loss level, Ḡ statistics, how many examples were logged.
-    logged = [r for r in rows(w) if f"diag/{name}/loss" in r]
-    results["saturation"][str(g)]["telemetry"] = {
-        "logged_batches": len(logged), "logged_examples": len(logged) * batch,
-        **{f"{k}_median": float(np.median([r[k] for r in logged if k in r])) for k in
-           (f"diag/{name}/loss", "diag/G_offdiag_mean", "diag/G_offdiag_max", "diag/hardest_negative_sim")
-           if any(k in r for r in logged)},
-        "last_logged_loss": float(logged[-1][f"diag/{name}/loss"]) if logged else None,
-        "first_logged": {k: float(logged[0][k]) for k in ("step", f"diag/{name}/loss", "diag/G_offdiag_mean",
-                                                           "diag/hardest_negative_sim") if logged and k in logged[0]},
-        "last_logged": {k: float(logged[-1][k]) for k in ("step", "diag/G_offdiag_mean", "diag/hardest_negative_sim")
-                        if logged and k in logged[-1]}}
-  results["data_efficiency"] = {"gamma0.5_20pct": final_recall(small),
+    if (g, seeds[0]) in runs:
+      results["saturation"][str(g)] = saturation(runs[(g, seeds[0])], g, plain, steps_per_epoch, batch)
+      # the per-epoch shares of every seed (Fig. 4 over seeds)
+      results["saturation"][str(g)]["per_seed"] = {
+          s: {k: v for k, v in saturation(runs[(g, s)], g, plain, steps_per_epoch, batch).items()
+              if k in ("examples_below_1e-3", "zero_embedding_gradient", "G_offdiag_mean")}
+          for s in seeds if (g, s) in runs}
+    if (g, seeds[0]) in scale_runs:
+      results["saturation"][f"{g}_frozen_scale"] = saturation(scale_runs[(g, seeds[0])], g, plain, steps_per_epoch,
+                                                              batch)
+  results["frozen_scale"] = {f"gamma{g}": mean_std([scale_runs[(g, s)] for s in seeds])
+                             for g in (0.0, 0.5) if scale_runs}
+  # γ = 0.5 vs γ = 0 on the same seeds, for every configuration that ran both
+  for key, group in (("token_lambda%s", {(lam,): tok_runs for lam in token_weights}),
+                     ("%s", {(m,): peft_runs for m in methods}), ("framework_%s", {(f,): fw_runs for f in frameworks})):
+    for (x,), rs in group.items():
+      results["paired"][key % x + "_gamma0.5_vs_0"] = paired([rs[(x, 0.0, s)] for s in seeds],
+                                                             [rs[(x, 0.5, s)] for s in seeds])
+  if scale_runs:
+    results["paired"]["frozen_scale_gamma0.5_vs_0"] = paired([scale_runs[(0.0, s)] for s in seeds],
+                                                             [scale_runs[(0.5, s)] for s in seeds])
+    for g in (0.0, 0.5):
+      if (g, seeds[0]) in runs:
+        results["paired"][f"gamma{g}_frozen_vs_learned_scale"] = paired([runs[(g, s)] for s in seeds],
+                                                                        [scale_runs[(g, s)] for s in seeds])
+  if len(smalls) > 1 and all((0.0, s) in runs for s in smalls):
+    results["paired"]["gamma0.5_20pct_vs_gamma0_100pct"] = paired([runs[(0.0, s)] for s in smalls],
+                                                                  list(smalls.values()))
+  results["data_efficiency"] = {"gamma0.5_20pct": final_recall(smalls[min(smalls)]),
                                 "gamma0_100pct": results["by_gamma"].get("0.0")}
+  if len(smalls) > 1:
+    results["data_efficiency"]["gamma0.5_20pct_over_seeds"] = mean_std(list(smalls.values()))
   with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
 
@@ -308,8 +419,11 @@ def main():
     f, g = name.split("_gamma")
     lines.append(f"| {g}, framework {f} | " + " | ".join(f"{r[f'{d}/R@{k}'][0]:.2f} ± {r[f'{d}/R@{k}'][1]:.2f}"
                                                          for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
+  for name, r in results["frozen_scale"].items():
+    lines.append(f"| {name.removeprefix('gamma')}, logit scale frozen | " + " | ".join(
+        f"{r[f'{d}/R@{k}'][0]:.2f} ± {r[f'{d}/R@{k}'][1]:.2f}" for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
   de = results["data_efficiency"]["gamma0.5_20pct"]
-  lines.append("| 0.5, 20% data, seed 0 | " + " | ".join(f"{de[f'{d}/R@{k}']:.2f}" for d in ("t2i", "i2t")
+  lines.append(f"| 0.5, 20% data, seed {min(smalls)} | " + " | ".join(f"{de[f'{d}/R@{k}']:.2f}" for d in ("t2i", "i2t")
                                                        for k in (1, 5, 10)) + " |")
   with open(os.path.join(out, "table.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
@@ -324,14 +438,15 @@ def main():
     m = [results["by_gamma"][str(g)][f"{d}/R@1"][0] for g in gs]
     sd = [results["by_gamma"][str(g)][f"{d}/R@1"][1] for g in gs]
     ax.errorbar(gs, m, yerr=sd, marker="o", capsize=3, label=f"{d} R@1")
-  ax.set(xlabel="γ", ylabel="R@1 (%)", title="fine-tuned from short-caption pre-training" if a.regime == "two_stage"
-         else "fine-tuned from InfoNCE pre-training")
+  ax.set(xlabel="γ", ylabel="R@1 (%)", title={"two_stage": "fine-tuned from short-caption pre-training",
+                                                "three_stage": "fine-tuned from a 'Long-CLIP' start"}.get(
+                                                    a.regime, "fine-tuned from InfoNCE pre-training"))
   ax.legend()
   fig.tight_layout()
   fig.savefig(os.path.join(out, "recall_vs_gamma.png"), dpi=120)
   plt.close(fig)
   fig, ax = plt.subplots(figsize=(5, 3.5))
-  for g, sat in results["saturation"].items():
+  for g in [g for g in ("0.0", "0.5") if g in results["saturation"]]:
     v = [r.get(f"diag/{plain}/saturated_frac" if g == "0.0" else "diag/hn/saturated_frac")
          for r in rows(runs[(float(g), seeds[0])])]
     steps = [r["step"] for r in rows(runs[(float(g), seeds[0])])]
@@ -342,6 +457,36 @@ def main():
   fig.tight_layout()
   fig.savefig(os.path.join(out, "saturation.png"), dpi=120)
   plt.close(fig)
+  if "0.0" in results["saturation"] and "0.5" in results["saturation"]:  # the paper's Fig. 4, per epoch
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for g, label in (("0.0", "InfoNCE (γ=0)" if plain == "infonce" else "SigLIP (γ=0)"), ("0.5", "γ=0.5")):
+      sat = results["saturation"][g]
+      for key, style, what in (("batch_loss_below_1e-3", "-o", "batches"), ("examples_below_1e-3", "--s", "examples")):
+        ep = sorted(sat[key], key=int)
+        axes[0].plot([int(e) for e in ep], [100 * sat[key][e] for e in ep], style, label=f"{label}, {what}")
+      ep = sorted(sat["zero_embedding_gradient"], key=int)
+      axes[1].plot([int(e) for e in ep], [100 * sat["zero_embedding_gradient"][e] for e in ep], "-o", label=label)
+    axes[0].set(xlabel="epoch", ylabel="% with loss < 1e-3", title="saturation (paper: 80% of batches, epoch 1)")
+    axes[1].set(xlabel="epoch", ylabel="% of measurements", title="embedding gradient exactly 0 (paper: 47%)")
+    for ax in axes:
+      ax.set_ylim(-2, 102)
+      ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "fig4_saturation_per_epoch.png"), dpi=120)
+    plt.close(fig)
+  de = results["data_efficiency"]  # the paper's Fig. 6: γ = 0.5 on 20% of the data vs γ = 0 on 100%
+  if de["gamma0_100pct"]:
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    small_ms = de.get("gamma0.5_20pct_over_seeds") or {k: [v, 0.0] for k, v in de["gamma0.5_20pct"].items()}
+    for i, (name, ms) in enumerate((("γ=0, 100% data", de["gamma0_100pct"]), ("γ=0.5, 20% data", small_ms))):
+      ax.bar([j + 0.38 * i for j in range(2)], [ms[f"{d}/R@1"][0] for d in ("t2i", "i2t")], 0.38,
+             yerr=[ms[f"{d}/R@1"][1] for d in ("t2i", "i2t")], capsize=3, label=name)
+    ax.set_xticks([0.19, 1.19], ["t2i R@1", "i2t R@1"])
+    ax.set(ylabel="R@1 (%)", title=f"data efficiency ({len(smalls)} seed{'s' * (len(smalls) > 1)})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "fig6_data_efficiency.png"), dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -133,7 +133,8 @@ def base_config() -> ml_collections.ConfigDict:
       # on_bad_example: "error" stops the build at a bad example, "skip" leaves it out and reports it.
       "name": "synthetic", "data_dir": "", "train_split": "train", "eval_split": "test",
       "manual_dir": "", "on_bad_example": "error",
-      # Synthetic data only (captions: "dense" near-duplicate descriptions, or "short" alt-text for pre-training):
+      # Synthetic data only (captions: "dense" near-duplicate descriptions, "short" alt-text for pre-training, or
+      # "detailed", dense captions in another grammar: the three-stage regime's intermediate domain):
       "num_train": 4096, "num_test": 512, "group_size": 4, "image_size": 64, "seed": 0, "captions": "dense"})
   # eval.py's benchmarks (`eval.py --benchmarks=all` or `=NAME,...`; docs/evaluation.md): NAME -> settings of
   # config.data for that benchmark (e.g. {"manual_dir": "docci"}; "name" defaults to NAME) plus "split" (default

@@ -55,6 +55,29 @@ def test_short_captions_are_alt_text_over_the_dense_vocabulary():
     builders.check_data_config(bad)
 
 
+def test_detailed_captions_are_a_second_dense_domain():
+  """captions="detailed" (the three-stage regime's intermediate domain): the same scenes, every object named with
+  its size, colour, shape and cell in another grammar than the dense one (large objects first), each segment's
+  sentence a span of the caption, and no word a tokenizer fitted on the short captions does not know."""
+  det = list(synthetic.generate(300, 1, 32, seed=7, captions="detailed"))
+  dense = list(synthetic.generate(300, 1, 32, seed=7))
+  short = list(synthetic.generate(300, 1, 32, seed=7, captions="short"))
+  assert [x[1] for x in det] == [x[1] for x in dense]
+  for (_, _, cap, _, segs), (_, _, dcap, *_) in zip(det, dense):
+    assert cap != dcap and all(seg["sentence"] in cap for seg in segs), cap
+    named = [cap.index(seg["sentence"]) for seg in segs]
+    large_first = sorted(range(len(segs)), key=lambda i: ("a small" in segs[i]["sentence"], i))
+    assert sorted(named) == [named[i] for i in large_first], cap
+    # the dense caption says the same about every object
+    for seg in segs:
+      size, color, shape, _, _, *cell = seg["sentence"].split()[1:]
+      assert f"In the {' '.join(cell)} there is a {size} {color} {shape}." in dcap
+  tok = WordTokenizer.fit([cap for _, _, cap, *_ in short], context_length=80)
+  ids = tok([cap for _, _, cap, *_ in det])
+  assert not (ids == 1).any()  # id 1 is <unk>
+  assert (ids != 0).sum(1).max() < 68  # fits the stretched context of configs/three_stage.py
+
+
 def _word_diff(a, b):
   wa, wb = a.split(), b.split()
   return sum(x != y for x, y in zip(wa, wb)) + abs(len(wa) - len(wb))

@@ -95,8 +95,9 @@ def replication(tmp_path_factory, tfds_dir):
 
   rep.python = python
   argv = sys.argv
-  sys.argv = ["benchmarks/replicate.py", "--quick", "--out", str(out), "--seeds", "0", "--gammas", "0,0.5",
-              "--frameworks", "finelip", "--token_groups", "4", "--token_keeps", "0.5", f"--data_dir={tfds_dir}"]
+  sys.argv = ["benchmarks/replicate.py", "--quick", "--out", str(out), "--regime", "three_stage", "--seeds", "0",
+              "--gammas", "0,0.5", "--frameworks", "finelip", "--token_groups", "4", "--token_keeps", "0.5",
+              "--methods", "dora_detached", "--frozen_scale", f"--data_dir={tfds_dir}"]
   try:
     rep.main()
   finally:
@@ -106,15 +107,39 @@ def replication(tmp_path_factory, tfds_dir):
 
 def test_replicate_quick_writes_its_outputs(replication):
   res = json.load(open(replication / "results.json"))
-  assert set(res["by_gamma"]) == {"0.0", "0.5"} and set(res["saturation"]) == {"0.0", "0.5"}
-  # Two stages: short-caption pre-training at 32 text positions, dense fine-tuning at 68 (Long-CLIP's stretch);
-  # the dense captions' geometry is measured before fine-tuning and after it, and results.json carries it.
-  assert res["setup"]["regime"] == "two_stage"
+  assert set(res["by_gamma"]) == {"0.0", "0.5"}
+  assert set(res["saturation"]) == {"0.0", "0.5", "0.0_frozen_scale", "0.5_frozen_scale"}
+  # Three stages: short-caption pre-training at 32 text positions, a "Long-CLIP" stage at 68 (Long-CLIP's stretch)
+  # on the other dense domain (detailed captions, independent scenes), then the dense near-duplicate fine-tune; the
+  # dense captions' geometry is measured before fine-tuning and after it, and results.json carries it.
+  assert res["setup"]["regime"] == "three_stage"
+  mid_data = json.load(open(replication / "longclip" / "data.json"))
+  assert mid_data["data"]["captions"] == "detailed" and mid_data["data"]["group_size"] == 1, mid_data
+  assert json.load(open(replication / "longclip" / "model.json"))["text_context"] == 68
+  # the start's recall on the target: eval.py of the Long-CLIP model on the fine-tuning data (its test split)
+  ev = json.load(open(replication / "start_recall.json"))
+  assert ev["num_pairs"] == 40 and res["start_on_target"]["t2i/R@1"] == ev["t2i"]["R@1"]
+  # fine-tuning starts from the Long-CLIP stage's model
+  for w in ("ft_gamma0.0_seed0", "ft_frozenscale_gamma0.5_seed0", "ft_gamma0.5_20pct_seed0"):
+    assert f"initialised from {replication / 'longclip'}" in open(replication / f"{w}.log").read(), w
+  # --frozen_scale: the logit scale stays where the start left it; --methods dora_detached: DoRA adapters
+  frozen = [r["logit_scale"] for r in map(json.loads, open(replication / "ft_frozenscale_gamma0.5_seed0" /
+                                                           "metrics.jsonl")) if "logit_scale" in r]
+  assert len(set(frozen)) == 1 and set(res["frozen_scale"]) == {"gamma0.0", "gamma0.5"}
+  assert json.load(open(replication / "ft_dora_detached_gamma0.5_seed0" / "model.json"))["adapter"] == "dora"
+  assert "| 0.5, DORA_DETACHED rank 16 |" in open(replication / "table.md").read()
+  # every γ = 0.5 vs γ = 0 comparison, paired over the seeds (one seed here: no interval)
+  assert set(res["paired"]) == {"gamma0.5_vs_0", "dora_detached_gamma0.5_vs_0",
+                                "framework_finelip_gamma0.5_vs_0", "frozen_scale_gamma0.5_vs_0",
+                                "gamma0.0_frozen_vs_learned_scale", "gamma0.5_frozen_vs_learned_scale"}
+  d = res["paired"]["gamma0.5_vs_0"]["t2i/R@1"]
+  assert d["ci95"] is None and d["per_seed"] == [pytest.approx(res["by_gamma"]["0.5"]["t2i/R@1"][0]
+                                                               - res["by_gamma"]["0.0"]["t2i/R@1"][0])]
   # The same --out for the other regime stops and changes nothing (it would reuse the wrong pre-training).
   before = sorted(os.listdir(replication))
   other = run_py(["benchmarks/replicate.py", "--quick", "--out", str(replication), "--regime", "dense_start"],
                  check=False)
-  assert other.returncode != 0 and "'regime': 'two_stage'" in other.stderr and sorted(os.listdir(replication)) == before
+  assert other.returncode != 0 and "'regime': 'three_stage'" in other.stderr and sorted(os.listdir(replication)) == before
   pre_model = json.load(open(replication / "pretrain" / "model.json"))
   ft_model = json.load(open(replication / "ft_gamma0.5_seed0" / "model.json"))
   assert pre_model["text_context"] == 32 and ft_model["text_context"] == 68
@@ -139,7 +164,8 @@ def test_replicate_quick_writes_its_outputs(replication):
   first = lambda c: next(r for r in map(json.loads, open(replication / f"ft_tok1.0{c}_gamma0.5_seed0" /
                                                             "metrics.jsonl")) if "loss/tok" in r)["loss/tok"]
   assert first("_group4") < first("") != first("_keep0.5")
-  for name in ("table.md", "recall_vs_gamma.png", "saturation.png"):
+  for name in ("table.md", "recall_vs_gamma.png", "saturation.png", "fig4_saturation_per_epoch.png",
+               "fig6_data_efficiency.png"):
     assert os.path.getsize(replication / name) > 0
   rows = [json.loads(line) for line in open(replication / "ft_gamma0.5_seed0" / "metrics.jsonl")]
   logged = [r for r in rows if "diag/hn/saturated_frac" in r]
@@ -193,6 +219,15 @@ def test_replication_summaries_over_seeds_and_epochs_match_numpy(tmp_path):
       {1: np.mean(losses_[:3] < 1e-3), 2: np.mean(losses_[3:6] < 1e-3), 3: np.mean(losses_[6:] < 1e-3)})
   assert rep.per_epoch_mean(dirs[0], 3, "diag/hn/saturated_frac") == pytest.approx(
       {1: fracs[:3].mean(), 2: fracs[3:6].mean(), 3: fracs[6:].mean()})
+  # paired differences over the seeds: run b minus run a per seed, the mean and its 95% Student-t interval
+  # (t_{0.975, 2} = 4.302652729911275 from the table)
+  got = rep.paired(dirs[:2] + dirs[2:], dirs[1:] + dirs[:1])
+  for k in ("t2i/R@1", "i2t/R@5"):
+    d = np.array([finals[(i + 1) % 3][f"eval/{k}"] - finals[i][f"eval/{k}"] for i in range(3)])
+    half = 4.302652729911275 * d.std(ddof=1) / np.sqrt(3)
+    assert got[k]["per_seed"] == pytest.approx(list(d), abs=1e-9)
+    assert got[k]["mean"] == pytest.approx(d.mean(), abs=1e-9)
+    assert got[k]["ci95"] == pytest.approx([d.mean() - half, d.mean() + half], rel=1e-9)
 
 
 def test_caption_geometry_report(replication, tmp_path, tfds_dir):

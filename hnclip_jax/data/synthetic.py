@@ -9,6 +9,10 @@ the near-twin-caption situation HN-CLIP targets. Pure NumPy + PIL.
 phrasings, a few words, no full inventory. With `group_size=1` this is a pre-training set of independent scenes,
 so that a model pre-trained on it and fine-tuned on the dense set is in the paper's regime (CLIP pre-trained on
 short web captions, fine-tuned on dense ones; docs/replication.md).
+
+`captions="detailed"` is a second dense-caption domain in another grammar (`detailed_caption`): every object, large
+ones first, in one sentence of phrases over the short captions' vocabulary. It plays Long-CLIP's ShareGPT4V captions
+in the three-stage regime (configs/three_stage.py): long captions that are not the target benchmark's.
 """
 from __future__ import annotations
 
@@ -77,7 +81,22 @@ def caption(scene) -> str:
   return " ".join(parts)
 
 
-CAPTION_STYLES = ("dense", "short")
+def object_phrase(o) -> str:
+  """`detailed_caption`'s phrase about one object (a segment's sentence in that style)."""
+  return f"a {o.size} {o.color} {o.shape} in the {CELLS[o.cell]}"
+
+
+def detailed_caption(scene) -> str:
+  """A dense caption in a grammar other than `caption`'s: every object as a phrase, large objects first (then in
+  reading order), the count and the background after them; only words that `short_caption` also uses."""
+  order = sorted(scene, key=lambda o: (o.size != "large", o.cell))
+  phrases = [object_phrase(o) for o in order]
+  listing = ", ".join(phrases[:-1]) + " and " + phrases[-1]
+  return (f"there is {listing}: {NUMBER_WORDS[len(scene)]} flat shapes drawn on a plain gray background, "
+          "clearly separated; nothing else appears")
+
+
+CAPTION_STYLES = ("dense", "short", "detailed")
 # Alt-text phrasings; {a} and {b} are objects ("a red circle", sometimes with the size), {n} the object count,
 # {cell} where {a} is. Over a corpus they use every word of the dense captions, so a tokenizer fitted on short
 # captions covers the dense ones (as CLIP's BPE covers any English caption).
@@ -138,8 +157,9 @@ def render_with_boxes(scene, image_size, rng):
 
 def generate(num_examples: int, group_size: int, image_size: int, seed: int, captions: str = "dense"):
   """Yields (image_id, png_bytes, caption, group_id, segments) for `num_examples` scenes, deterministic in `seed`;
-  captions "dense" (`caption`) or "short" (`short_caption`). segments: one per object, {"box": its exact bounding
-  box in pixels, "sentence": `object_sentence` (a sentence of the dense caption), "score": 1.0} (the region
+  captions "dense" (`caption`), "short" (`short_caption`) or "detailed" (`detailed_caption`). segments: one per
+  object, {"box": its exact bounding box in pixels, "sentence": `object_sentence` (a sentence of the dense caption;
+  `object_phrase` for "detailed"), "score": 1.0} (the region
   annotations frameworks read, docs/frameworks.md; exact rather than matched)."""
   if num_examples <= 0 or group_size <= 0 or image_size <= 0:
     raise ValueError(f"synthetic data sizes must be positive, got num_examples={num_examples}, "
@@ -171,8 +191,9 @@ def generate(num_examples: int, group_size: int, image_size: int, seed: int, cap
       buf = io.BytesIO()
       image, boxes = render_with_boxes(scene, image_size, rng)
       Image.fromarray(image).save(buf, format="PNG")
-      segments = [{"box": box, "sentence": object_sentence(o), "score": 1.0} for o, box in zip(scene, boxes)]
-      text = caption(scene) if captions == "dense" else short_caption(scene, text_rng)
+      sentence = object_phrase if captions == "detailed" else object_sentence
+      segments = [{"box": box, "sentence": sentence(o), "score": 1.0} for o, box in zip(scene, boxes)]
+      text = {"dense": caption, "detailed": detailed_caption}.get(captions, lambda sc: short_caption(sc, text_rng))(scene)
       yield count, buf.getvalue(), text, group, segments
       count += 1
     group += 1
