@@ -14,7 +14,9 @@ The global term is SigLIP's pairwise sigmoid loss with the margin on every negat
 64-token text context is stretched to 196 as Long-CLIP stretches CLIP's 77 to 248 (the first 20 positions kept,
 the rest interpolated 4x; `python -m hnclip_jax.data.inspect` shows how many captions are still truncated). The rest
 is the paper's recipe (configs/longclip_l.py): AdamW lr 2e-6 with cosine decay, weight decay 0.05, no warmup, an
-effective batch of 128 (8 micro-batches of 16, Ḡ over all 128), γ = 0.5, 10 epochs. The FILIP token term is off
+effective batch of 128 (8 micro-batches of 16, Ḡ over all 128), γ = 0.5 (the paper's; in the small-scale
+replication γ = 0.5 lowered SigLIP's R@1 by ~13 points against γ = 0, docs/replication.md "HN-SigLIP": compare
+with --config.loss.gamma=0 on your data), 10 epochs. The FILIP token term is off
 (λ = 0): the paper defines it for CLIP's softmax; set config.loss.token_weight to add it.
 """
 from hnclip_jax.config import base_config, model_config
