@@ -9,8 +9,8 @@
 1. Pre-train a tiny CLIP with plain InfoNCE (γ = 0): the "pre-trained initialisation". `two_stage` (default):
    on short alt-text captions of independent scenes, 32 text positions (configs/two_stage.py:pretrain), as CLIP
    was pre-trained on short web captions; `dense_start`: on the dense near-duplicate set itself (configs/demo.py);
-   `three_stage`: stage 1 as two_stage's (logit scale learning faster, as CLIP's climbs to 100), then a "Long-CLIP"
-   stage, InfoNCE on a second dense-caption domain (configs/three_stage.py:longclip), whose model is the start;
+   `three_stage`: stage 1 as two_stage's, then a "Long-CLIP" stage (its logit scale learning fast, to CLIP's 100):
+   InfoNCE on a second dense-caption domain (configs/three_stage.py:longclip), whose model is the start;
    its recall on the target test set is measured with eval.py before fine-tuning (start_recall.json).
 2. Caption geometry of the dense test captions under the pre-trained text encoder (tools/caption_geometry,
    before any fine-tuning; again after fine-tuning with γ 0 and 0.5, seed 0).
