@@ -244,8 +244,8 @@ def main():
   start = mid or pre
   if a.regime == "three_stage":  # the config's small lr (configs/three_stage.py:FINETUNE_LR)
     path, _, arg = variant.partition(":")
-    ft_lr = runpy.run_path(path)["get_config"](arg).optimizer.lr
-    mid_steps = runpy.run_path(path)["get_config"](mid_variant.partition(":")[2]).total_steps
+    get_config = runpy.run_path(path)["get_config"]
+    ft_lr, mid_steps = get_config(arg).optimizer.lr, get_config(mid_variant.partition(":")[2]).total_steps
   else:
     ft_lr = 2e-4
   ft_args = [f"--config.optimizer.lr={ft_lr}", "--config.optimizer.warmup_steps=0", f"--config.total_steps={ft_steps}",
@@ -289,8 +289,9 @@ def main():
       python(["eval.py", "--config", variant, "--workdir", mid, *shared[3:]]
              + [f"--config.data.{k}={d[k]}" for k in ("captions", "group_size", "seed", "num_train", "num_test")],
              os.path.join(out, "start_recall.log"))
-      with open(os.path.join(mid, "eval_results.json")) as f, open(start_recall, "w") as g:
+      with open(os.path.join(mid, "eval_results.json")) as f, open(start_recall + ".tmp", "w") as g:
         json.dump(json.load(f), g)
+      os.replace(start_recall + ".tmp", start_recall)  # a crash leaves no torn file that a rerun would trust
     geometry(variant, start, os.path.join(out, "geometry_pretrained"), a.data_dir)
     for (g, s), w in runs.items():
       if finished(w, ft_steps):
