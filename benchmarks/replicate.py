@@ -40,6 +40,19 @@ sys.path.insert(0, ROOT)
 from hnclip_jax import workdir  # noqa: E402  (the workdir layout)
 
 
+def config_of(variant):
+  """The resolved config of "path.py:arg" (as train.py would build it, without command-line overrides)."""
+  path, _, arg = variant.partition(":")
+  return runpy.run_path(path)["get_config"](*([arg] if arg else []))
+
+
+def _diff_keys(old, new, prefix=""):
+  """Dotted keys where two nested dicts differ."""
+  if not isinstance(old, dict) or not isinstance(new, dict):
+    return [prefix.rstrip(".") or "<all>"] if old != new else []
+  return [k for key in set(old) | set(new) for k in _diff_keys(old.get(key), new.get(key), f"{prefix}{key}.")]
+
+
 def python(args, log):
   """`python ARGS` from the repo root, its output in `log`; stops replicate.py if it fails."""
   cmd = [sys.executable, *args]
@@ -198,21 +211,6 @@ def main():
   a = p.parse_args()
   out = os.path.abspath(a.out)
   os.makedirs(out, exist_ok=True)
-  # --out holds one regime and size: reusing it for another would skip "finished" runs of the wrong kind.
-  setup_file, setup = os.path.join(out, "replicate_setup.json"), {"regime": a.regime, "quick": a.quick}
-  if a.loss != "softmax":
-    setup["loss"] = a.loss
-    if a.frameworks:
-      raise SystemExit("--frameworks with --loss sigmoid: FineLIP, GOAL and StructXLIP are built on CLIP towers")
-  if os.path.exists(setup_file):
-    with open(setup_file) as f:
-      before = json.load(f)
-    if before != setup:
-      raise SystemExit(f"{out} holds a replication run with {before}; this command asks for {setup}. Use another "
-                       "--out (nothing was changed).")
-  elif not a.report_only:
-    with open(setup_file, "w") as f:
-      json.dump(setup, f)
   gammas = [float(g) for g in a.gammas.split(",")]
   seeds = [int(s) for s in a.seeds.split(",")]
   test = ",test" if a.quick else ""
@@ -226,14 +224,43 @@ def main():
   else:
     pre_variant = variant = "configs/demo.py:test" if a.quick else "configs/demo.py"
     pre_steps = 4 if a.quick else 300
+  # --out holds one regime, size and set of stage configs: reusing it for another would skip "finished" runs of the
+  # wrong kind (a changed configs/three_stage.py, say), so the resolved configs are recorded and must match.
+  stage_variants = [pre_variant, *([mid_variant] if a.regime == "three_stage" else []), variant]
+  setup_file = os.path.join(out, "replicate_setup.json")
+  setup = {"regime": a.regime, "quick": a.quick, "configs": {v: json.loads(config_of(v).to_json_best_effort())
+                                                              for v in stage_variants}}
+  if a.loss != "softmax":
+    setup["loss"] = a.loss
+    if a.frameworks:
+      raise SystemExit("--frameworks with --loss sigmoid: FineLIP, GOAL and StructXLIP are built on CLIP towers")
+  if os.path.exists(setup_file):
+    with open(setup_file) as f:
+      before = json.load(f)
+    # --report_only trains nothing, so only the kind of run must match (older --out dirs have no "configs")
+    keys = [k for k in setup if k != "configs"] if a.report_only else list(setup)
+    differ = sorted(k for k in set(keys) | {k for k in before if k in keys or k == "loss"}
+                    if before.get(k) != setup.get(k))
+    if differ:
+      detail = {k: (before.get(k), setup.get(k)) for k in differ if k != "configs"}
+      if "configs" in differ:
+        old, new = before.get("configs") or {}, setup["configs"]
+        detail["configs"] = {v: sorted(_diff_keys(old.get(v), new[v])) for v in new if old.get(v) != new[v]}
+      raise SystemExit(f"{out} holds a replication run that differs from this command in {differ}: "
+                       f"{detail} (recorded, now). Its finished runs would be reused as if they were this "
+                       "command's. Use another --out, or restore the configs (nothing was changed).")
+  elif not a.report_only:
+    with open(setup_file, "w") as f:
+      json.dump(setup, f, indent=1)
   ft_steps, log_every = (4, 1) if a.quick else (100, 5)
+  if a.regime == "three_stage" and not a.quick:  # the config's length (configs/three_stage.py:FINETUNE_STEPS)
+    ft_steps = config_of(variant).total_steps
   num_train, batch = (128, 16) if a.quick else (4096, 128)
   shared = ["--config.log_every=%d" % log_every, "--config.eval_every=100000", "--config.checkpoint_every=100000"] \
       + ([f"--config.data.data_dir={a.data_dir}"] if a.data_dir else [])
   plain = "infonce"  # the telemetry's name for the global term without the margin
   if a.loss == "sigmoid":  # a SigLIP-family model of the configs' size, trained with the sigmoid loss throughout
-    path, _, arg = variant.partition(":")
-    width = runpy.run_path(path)["get_config"](*([arg] if arg else [])).model.vision_width
+    width = config_of(variant).model.vision_width
     shared += ["--config.model.family=siglip", "--config.model.logit_bias=True", "--config.model.act=gelu_tanh",
                f"--config.model.embed_dim={width}", "--config.loss.kind=sigmoid"]
     plain = "siglip"
@@ -243,13 +270,13 @@ def main():
   mid = os.path.join(out, "longclip") if a.regime == "three_stage" else None
   start = mid or pre
   if a.regime == "three_stage":  # the config's small lr (configs/three_stage.py:FINETUNE_LR)
-    path, _, arg = variant.partition(":")
-    get_config = runpy.run_path(path)["get_config"]
-    ft_lr, mid_steps = get_config(arg).optimizer.lr, get_config(mid_variant.partition(":")[2]).total_steps
+    ft_lr, mid_steps = config_of(variant).optimizer.lr, config_of(mid_variant).total_steps
   else:
     ft_lr = 2e-4
+  # the parameter-gradient telemetry (an extra backward pass): under three_stage 4 times an epoch, for Fig. 4
+  diag_every = 2 if a.quick else 8 if a.regime == "three_stage" else 25
   ft_args = [f"--config.optimizer.lr={ft_lr}", "--config.optimizer.warmup_steps=0", f"--config.total_steps={ft_steps}",
-             f"--config.init_from={start}", f"--config.diagnostics.every={2 if a.quick else 25}"]
+             f"--config.init_from={start}", f"--config.diagnostics.every={diag_every}"]
   runs = {(g, s): os.path.join(out, f"ft_gamma{g}_seed{s}") for g in gammas for s in seeds}
   token_weights = [float(x) for x in a.token_weights.split(",") if x]
   tok_runs = {(lam, g, s): os.path.join(out, f"ft_tok{lam}_gamma{g}_seed{s}")
@@ -284,8 +311,7 @@ def main():
           os.path.join(out, "longclip.log"))
     if mid and not os.path.exists(start_recall):
       # the start's recall on the target's test set (eval.py with the fine-tuning config's data)
-      path, _, arg = variant.partition(":")
-      d = runpy.run_path(path)["get_config"](arg).data
+      d = config_of(variant).data
       python(["eval.py", "--config", variant, "--workdir", mid, *shared[3:]]
              + [f"--config.data.{k}={d[k]}" for k in ("captions", "group_size", "seed", "num_train", "num_test")],
              os.path.join(out, "start_recall.log"))

@@ -11,13 +11,17 @@ text encoder sees the benchmark's near-duplicates as near-identical), and the sm
 
 1. `pretrain`: configs/two_stage.py:pretrain (short alt-text of independent scenes, 32 text positions, InfoNCE).
 2. `longclip`: from stage 1, positions stretched 32 -> 68 (Long-CLIP's rule), InfoNCE on a second dense-caption
-   domain: other scenes (data seed 1), no near-duplicate groups, captions in another grammar (`data.captions =
-   "detailed"`, synthetic.detailed_caption), with the logit scale's learning rate raised (LOGIT_SCALE_LR: it
-   reaches CLIP's clamp of 100 within ~100 steps, as CLIP's does over its far longer pre-training, and Long-CLIP
-   inherits it); LONGCLIP_LR and LONGCLIP_STEPS small enough that the text encoder stays crowded.
+   set: other scenes and layouts (data seed 1) without near-duplicate groups, captioned in LONGCLIP_CAPTIONS, with
+   the logit scale's learning rate raised (LOGIT_SCALE_LR: it climbs towards CLIP's clamp of 100 within ~100 steps,
+   as CLIP's does over its far longer pre-training, and Long-CLIP inherits it); LONGCLIP_LR and LONGCLIP_STEPS
+   small so that the text encoder stays as crowded as it can.
 3. `finetune`: from stage 2 on the target (the dense near-duplicate set of configs/demo.py, groups of 4), at
-   FINETUNE_LR, small against stage 1's 1e-3 as the paper's 2e-6 is against CLIP's 5e-4.
-docs/replication.md ("three-stage regime") says how the sizes were chosen and what the regime measures.
+   FINETUNE_LR for FINETUNE_STEPS (two epochs), small against stage 1's 1e-3 as the paper's 2e-6 is against
+   CLIP's 5e-4.
+docs/replication.md ("three-stage regime") says how the settings were chosen, which were tried and what the regime
+measures: no setting reached both of issue 31's targets; this one makes plain InfoNCE saturate on ~30 % of the
+target's examples from the first step (the crowding, mean G 0.14, is the part it misses; the "detailed" grammar
+keeps 0.33 but saturates only ~21 %).
 """
 import os
 
@@ -25,9 +29,10 @@ PRETRAIN_DIR, LONGCLIP_DIR = "/tmp/hnclip_3s_pretrain", "/tmp/hnclip_3s_longclip
 VARIANTS = ("pretrain", "longclip", "finetune")
 LOGIT_SCALE_LR = (("^logit_scale$", 1500.0),)  # x LONGCLIP_LR: 0.15 per step on log s
 # The settings tried (docs/replication.md, "three-stage regime"): 400 steps at 5e-4 (scale lr x30), 300 at 5e-4
-# (x300), 200 at 1e-4 (x1500); the last left the target's captions the most crowded.
-LONGCLIP_STEPS, LONGCLIP_LR = 200, 1e-4
-FINETUNE_LR = 1e-5
+# (x300), 200 at 1e-4 (x1500), each in the "detailed" grammar, and the last in the target's own ("dense") grammar
+# (other scenes): the only one whose start saturates plain InfoNCE on >= 30 % of the target's examples.
+LONGCLIP_STEPS, LONGCLIP_LR, LONGCLIP_CAPTIONS = 200, 1e-4, "dense"
+FINETUNE_LR, FINETUNE_STEPS = 1e-5, 64
 
 
 def get_config(variant: str = "finetune"):
@@ -43,7 +48,7 @@ def get_config(variant: str = "finetune"):
   c = two_stage["get_config"](",".join(["finetune", *mods]))  # the target's data and the stretched context
   if stage == "longclip":
     c.init_from = PRETRAIN_DIR
-    c.data.captions, c.data.group_size, c.data.seed = "detailed", 1, 1
+    c.data.captions, c.data.group_size, c.data.seed = LONGCLIP_CAPTIONS, 1, 1
     if not mods:
       c.data.num_train = 16384
       c.total_steps, c.checkpoint_every, c.eval_every = LONGCLIP_STEPS, LONGCLIP_STEPS, LONGCLIP_STEPS
@@ -53,4 +58,6 @@ def get_config(variant: str = "finetune"):
   else:
     c.init_from = LONGCLIP_DIR
     c.optimizer.lr, c.optimizer.warmup_steps = FINETUNE_LR, 0
+    if not mods:
+      c.total_steps = c.checkpoint_every = c.eval_every = FINETUNE_STEPS
   return c

@@ -1,6 +1,7 @@
 """Saturation telemetry, caption-geometry report and the replication script."""
 import json
 import os
+import runpy
 import sys
 
 import jax
@@ -110,11 +111,14 @@ def test_replicate_quick_writes_its_outputs(replication):
   assert set(res["by_gamma"]) == {"0.0", "0.5"}
   assert set(res["saturation"]) == {"0.0", "0.5", "0.0_frozen_scale", "0.5_frozen_scale"}
   # Three stages: short-caption pre-training at 32 text positions, a "Long-CLIP" stage at 68 (Long-CLIP's stretch)
-  # on the other dense domain (detailed captions, independent scenes), then the dense near-duplicate fine-tune; the
-  # dense captions' geometry is measured before fine-tuning and after it, and results.json carries it.
+  # on another dense caption set (other scenes, no near-duplicate groups), then the dense near-duplicate fine-tune;
+  # the dense captions' geometry is measured before fine-tuning and after it, and results.json carries it.
   assert res["setup"]["regime"] == "three_stage"
-  mid_data = json.load(open(replication / "longclip" / "data.json"))
-  assert mid_data["data"]["captions"] == "detailed" and mid_data["data"]["group_size"] == 1, mid_data
+  mid_data = json.load(open(replication / "longclip" / "data.json"))["data"]
+  ft_data = json.load(open(replication / "ft_gamma0.0_seed0" / "data.json"))["data"]
+  three_stage = runpy.run_path(os.path.join(ROOT, "configs", "three_stage.py"))
+  assert mid_data["captions"] == three_stage["LONGCLIP_CAPTIONS"] and mid_data["group_size"] == 1, mid_data
+  assert mid_data["seed"] != ft_data["seed"] and ft_data["group_size"] == 4, (mid_data, ft_data)
   assert json.load(open(replication / "longclip" / "model.json"))["text_context"] == 68
   # the start's recall on the target: eval.py of the Long-CLIP model on the fine-tuning data (its test split)
   ev = json.load(open(replication / "start_recall.json"))
@@ -139,7 +143,22 @@ def test_replicate_quick_writes_its_outputs(replication):
   before = sorted(os.listdir(replication))
   other = run_py(["benchmarks/replicate.py", "--quick", "--out", str(replication), "--regime", "dense_start"],
                  check=False)
-  assert other.returncode != 0 and "'regime': 'three_stage'" in other.stderr and sorted(os.listdir(replication)) == before
+  assert other.returncode != 0 and "'regime': ('three_stage', 'dense_start')" in other.stderr, other.stderr[-2000:]
+  assert sorted(os.listdir(replication)) == before
+  # So does a stage config changed since (here stage 2's steps, as an edit of configs/three_stage.py would): the
+  # finished stage-2 run would otherwise be reused as this config's.
+  changed = replication.parent / (replication.name + "_changed")
+  changed.mkdir()
+  setup = json.load(open(replication / "replicate_setup.json"))
+  setup["configs"]["configs/three_stage.py:longclip,test"]["total_steps"] += 1
+  json.dump(setup, open(changed / "replicate_setup.json", "w"))
+  argv, sys.argv = sys.argv, ["benchmarks/replicate.py", "--quick", "--out", str(changed), "--regime", "three_stage"]
+  try:
+    with pytest.raises(SystemExit, match=r"differs from this command in \['configs'\].*longclip,test': \['total_steps'\]"):
+      load_replicate().main()
+  finally:
+    sys.argv = argv
+  assert os.listdir(changed) == ["replicate_setup.json"]
   pre_model = json.load(open(replication / "pretrain" / "model.json"))
   ft_model = json.load(open(replication / "ft_gamma0.5_seed0" / "model.json"))
   assert pre_model["text_context"] == 32 and ft_model["text_context"] == 68
