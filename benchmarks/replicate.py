@@ -168,6 +168,16 @@ def saturation(w, g, plain, steps_per_epoch, batch) -> dict:
   return out
 
 
+# the per-epoch telemetry kept for every seed (results.json "saturation" -> "per_seed", "over_seeds")
+PER_SEED = ("examples_below_1e-3", "batch_loss_below_1e-3", "zero_embedding_gradient", "G_offdiag_mean")
+
+
+def over_seeds(per_seed) -> dict:
+  """{key: {epoch: mean over the seeds}} for the PER_SEED keys of each seed's saturation() summary."""
+  per_seed = list(per_seed)
+  return {k: {e: float(np.mean([p[k][e] for p in per_seed])) for e in per_seed[0][k]} for k in PER_SEED}
+
+
 def geometry(config, model, out_dir, data_dir):
   """tools/caption_geometry on the dense test captions with `model` (skipped when its summary exists)."""
   if os.path.exists(os.path.join(out_dir, "summary.json")):
@@ -371,7 +381,7 @@ def main():
     with open(start_recall) as f:
       ev = json.load(f)
     results["start_on_target"] = {f"{d}/R@{k}": ev[d][f"R@{k}"] for d in ("t2i", "i2t") for k in (1, 5, 10)}
-  for g in gammas:
+  for g in sorted(gammas):  # ascending, whatever order --gammas ran them in (the table and the plot read it)
     results["by_gamma"][str(g)] = mean_std([runs[(g, s)] for s in seeds])
     if g and 0.0 in gammas:
       results["paired"][f"gamma{g}_vs_0"] = paired([runs[(0.0, s)] for s in seeds], [runs[(g, s)] for s in seeds])
@@ -394,8 +404,10 @@ def main():
       # the per-epoch shares of every seed (Fig. 4 over seeds)
       results["saturation"][str(g)]["per_seed"] = {
           s: {k: v for k, v in saturation(runs[(g, s)], g, plain, steps_per_epoch, batch).items()
-              if k in ("examples_below_1e-3", "zero_embedding_gradient", "G_offdiag_mean")}
+              if k in PER_SEED}
           for s in seeds if (g, s) in runs}
+      # their mean over the seeds, epoch by epoch (what Fig. 4 plots)
+      results["saturation"][str(g)]["over_seeds"] = over_seeds(results["saturation"][str(g)]["per_seed"].values())
     if (g, seeds[0]) in scale_runs:
       results["saturation"][f"{g}_frozen_scale"] = saturation(scale_runs[(g, seeds[0])], g, plain, steps_per_epoch,
                                                               batch)
@@ -426,8 +438,12 @@ def main():
 
   lines = ["| γ | t2i R@1 | t2i R@5 | t2i R@10 | i2t R@1 | i2t R@5 | i2t R@10 |", "|---|---|---|---|---|---|---|"]
   pr = results["pretrain"]
-  lines.append("| pre-trained (γ=0) | " + " | ".join(f"{pr[f'{d}/R@{k}']:.2f}" for d in ("t2i", "i2t")
+  lines.append(f"| pre-trained (γ=0){', its own test split' if mid else ''} | " + " | ".join(f"{pr[f'{d}/R@{k}']:.2f}" for d in ("t2i", "i2t")
                                                     for k in (1, 5, 10)) + " |")
+  if "start_on_target" in results:  # three_stage: the fine-tuning start ("Long-CLIP") on the target's test split
+    st = results["start_on_target"]
+    lines.append("| start (\"Long-CLIP\"), on the target | " + " | ".join(
+        f"{st[f'{d}/R@{k}']:.2f}" for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
   for g, r in results["by_gamma"].items():
     lines.append(f"| {g} | " + " | ".join(f"{r[f'{d}/R@{k}'][0]:.2f} ± {r[f'{d}/R@{k}'][1]:.2f}"
                                           for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
@@ -487,13 +503,15 @@ def main():
   if "0.0" in results["saturation"] and "0.5" in results["saturation"]:  # the paper's Fig. 4, per epoch
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     for g, label in (("0.0", "InfoNCE (γ=0)" if plain == "infonce" else "SigLIP (γ=0)"), ("0.5", "γ=0.5")):
-      sat = results["saturation"][g]
+      sat = results["saturation"][g]["over_seeds"]
       for key, style, what in (("batch_loss_below_1e-3", "-o", "batches"), ("examples_below_1e-3", "--s", "examples")):
         ep = sorted(sat[key], key=int)
         axes[0].plot([int(e) for e in ep], [100 * sat[key][e] for e in ep], style, label=f"{label}, {what}")
       ep = sorted(sat["zero_embedding_gradient"], key=int)
       axes[1].plot([int(e) for e in ep], [100 * sat["zero_embedding_gradient"][e] for e in ep], "-o", label=label)
-    axes[0].set(xlabel="epoch", ylabel="% with loss < 1e-3", title="saturation (paper: 80% of batches, epoch 1)")
+    n = f"mean of {len(seeds)} seeds" if len(seeds) > 1 else f"seed {seeds[0]}"
+    axes[0].set(xlabel="epoch", ylabel="% with loss < 1e-3",
+                title=f"saturation, {n} (paper: 80% of batches, epoch 1)")
     axes[1].set(xlabel="epoch", ylabel="% of measurements", title="embedding gradient exactly 0 (paper: 47%)")
     for ax in axes:
       ax.set_ylim(-2, 102)

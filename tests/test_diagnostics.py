@@ -110,6 +110,7 @@ def test_replicate_quick_writes_its_outputs(replication):
   res = json.load(open(replication / "results.json"))
   assert set(res["by_gamma"]) == {"0.0", "0.5"}
   assert set(res["saturation"]) == {"0.0", "0.5", "0.0_frozen_scale", "0.5_frozen_scale"}
+  assert res["saturation"]["0.5"]["over_seeds"] == res["saturation"]["0.5"]["per_seed"]["0"]  # one seed
   # Three stages: short-caption pre-training at 32 text positions, a "Long-CLIP" stage at 68 (Long-CLIP's stretch)
   # on another dense caption set (other scenes, no near-duplicate groups), then the dense near-duplicate fine-tune;
   # the dense captions' geometry is measured before fine-tuning and after it, and results.json carries it.
@@ -238,6 +239,11 @@ def test_replication_summaries_over_seeds_and_epochs_match_numpy(tmp_path):
       {1: np.mean(losses_[:3] < 1e-3), 2: np.mean(losses_[3:6] < 1e-3), 3: np.mean(losses_[6:] < 1e-3)})
   assert rep.per_epoch_mean(dirs[0], 3, "diag/hn/saturated_frac") == pytest.approx(
       {1: fracs[:3].mean(), 2: fracs[3:6].mean(), 3: fracs[6:].mean()})
+  # Fig. 4 over seeds: each key's per-epoch share averaged over the seeds
+  per_seed = [{k: {1: float(r.uniform()), 2: float(r.uniform())} for k in rep.PER_SEED} for _ in range(3)]
+  mean = rep.over_seeds(per_seed)
+  for k in rep.PER_SEED:
+    assert mean[k] == pytest.approx({e: np.mean([p[k][e] for p in per_seed]) for e in (1, 2)}, rel=1e-12)
   # paired differences over the seeds: run b minus run a per seed, the mean and its 95% Student-t interval
   # (t_{0.975, 2} = 4.302652729911275 from the table)
   got = rep.paired(dirs[:2] + dirs[2:], dirs[1:] + dirs[:1])
