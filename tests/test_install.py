@@ -54,3 +54,26 @@ def test_readme_install_in_a_fresh_venv(tmp_path, tfds_dir):
           "e = m.encode_texts(['a small red circle', 'a large blue square']); print(e.shape)")
   got = sh([py, "-c", code, str(hf)], cwd=tmp_path, env=env).stdout.strip()
   assert got == "(2, 32)", got
+
+
+def test_pyproject_declares_every_requirement():
+  """`pip install .` (pyproject.toml) must bring what `pip install -r requirements.txt` brings: every pinned
+  package of requirements.txt is a dependency of the project, at that version or later (found missing once:
+  opencv-python-headless, which StructXLIP's edge maps need)."""
+  import re
+  import tomllib
+  pins = {}
+  for line in open(os.path.join(ROOT, "requirements.txt")):
+    line = line.split("#")[0].strip()
+    if line:
+      name, version = line.split("==")
+      pins[name.lower().replace("_", "-")] = version
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    deps = tomllib.load(f)["project"]["dependencies"]
+  declared = {}
+  for d in deps:
+    m = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", d)
+    assert m, f"pyproject.toml dependency {d!r} is not of the form name>=version"
+    declared[m[1].lower().replace("_", "-")] = m[2]
+  assert declared == pins, {k: (pins.get(k), declared.get(k)) for k in set(pins) | set(declared)
+                            if pins.get(k) != declared.get(k)}
