@@ -3,6 +3,7 @@ adapter workdirs through train.py, pretrained.load, merge_adapters and export.""
 import dataclasses
 import json
 import os
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +40,13 @@ def embed(cfg, params, pixels, tokens):
 
 
 def randomize_adapters(params, seed=1, scale=0.3):
+  """Non-zero adapters, the same in every process: each leaf's key folds in a CRC of its path (Python's hash() of a
+  string changes with PYTHONHASHSEED, which made the values, and the fp32 rounding the tests see, differ per run)."""
   key = jax.random.key(seed)
+  fold = lambda p: jax.random.fold_in(key, zlib.crc32(str(adapters.path_of(p)).encode()) % 2**31)  # noqa: E731
   return jax.tree_util.tree_map_with_path(
-      lambda p, x: x + scale * jax.random.normal(jax.random.fold_in(key, hash(adapters.path_of(p)) % 2**31), x.shape)
-      if adapters.is_adapter(adapters.path_of(p)) else x, params)
+      lambda p, x: x + scale * jax.random.normal(fold(p), x.shape) if adapters.is_adapter(adapters.path_of(p)) else x,
+      params)
 
 
 @pytest.mark.parametrize("cls", [LoRALinear, DoRALinear])
@@ -157,8 +161,8 @@ def test_merged_weights_compute_the_adapted_model(method):
   pixels, tokens = inputs()
   got, want = embed(plain_cfg, plain, pixels, tokens), embed(cfg, params, pixels, tokens)
   assert np.abs(want[1] - embed(CFG, base, pixels, tokens)[1]).max() > 1e-2  # the adapters do something
-  for g, w in zip(got, want):
-    np.testing.assert_allclose(g, w, atol=1e-5)
+  for g, w in zip(got, want):  # unit-norm embeddings in fp32: W0 + BA rounds differently from x W0 + (x B) A
+    np.testing.assert_allclose(g, w, atol=5e-5)
 
 
 @pytest.mark.parametrize("method,dropout,train_scale", [("dora", 0.0, False), ("lora", 0.3, True)])
