@@ -260,8 +260,9 @@ def main():
                        f"{detail} (recorded, now). Its finished runs would be reused as if they were this "
                        "command's. Use another --out, or restore the configs (nothing was changed).")
   elif not a.report_only:
-    with open(setup_file, "w") as f:
+    with open(setup_file + ".tmp", "w") as f:
       json.dump(setup, f, indent=1)
+    os.replace(setup_file + ".tmp", setup_file)  # a crash leaves no torn file that a rerun would fail to read
   ft_steps, log_every = (4, 1) if a.quick else (100, 5)
   if a.regime == "three_stage" and not a.quick:  # the config's length (configs/three_stage.py:FINETUNE_STEPS)
     ft_steps = config_of(variant).total_steps
