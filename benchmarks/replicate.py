@@ -22,7 +22,8 @@
    γ = 0.5 next to the whole term. Every γ = 0.5 vs γ = 0 comparison is also reported as a paired difference over
    the seeds (same start, same data order) with its 95% t-interval (results.json "paired").
 Writes results.json, table.md, recall_vs_gamma.png, saturation.png, fig4_saturation_per_epoch.png and
-fig6_data_efficiency.png to --out. Every number comes from the runs'
+fig6_data_efficiency.png to --out (with --report_tag T: results_T.json, table_T.md, ..._T.png; a report of another
+set of seeds, γ or extras already in --out is not overwritten: the command stops before training and asks for a tag). Every number comes from the runs'
 metrics.jsonl and geometry summary.json files, so the report can be regenerated from a finished --out with
 --report_only. Finished runs are skipped when the command is run again.
 """
@@ -204,7 +205,8 @@ def main():
   p.add_argument("--frameworks", default="",
                  help="comma-separated finelip,goal,structxlip: also fine-tune with that framework (config.framework; FineLIP's "
                       "hinge ramped in over one epoch, its aggregators at 10x the backbone's lr; GOAL with the "
-                      "synthetic data's exact segments), γ 0 and 0.5, every seed")
+                      "synthetic data's exact segments), γ 0 and 0.5, every seed; NAME:KEY=VALUE runs NAME with "
+                      "config.NAME.KEY=VALUE (e.g. finelip:reduction=mean, its hinge divided by the batch)")
   p.add_argument("--token_groups", default="",
                  help="comma-separated G: also fine-tune with the token term (λ = 1, γ 0.5, every seed) on groups of G "
                       "examples (config.loss.token_group), next to the whole-batch term from the same start")
@@ -218,6 +220,9 @@ def main():
   p.add_argument("--frozen_scale", action="store_true",
                  help="also fine-tune with the logit scale frozen at the start's value "
                       "(config.optimizer.train_logit_scale=False), γ 0 and 0.5, every seed")
+  p.add_argument("--report_tag", default="",
+                 help="write the report as results_TAG.json, table_TAG.md and *_TAG.png: needed when --out already "
+                      "holds the report of another set of seeds, γ or extras (it is not overwritten)")
   a = p.parse_args()
   out = os.path.abspath(a.out)
   os.makedirs(out, exist_ok=True)
@@ -236,6 +241,13 @@ def main():
     pre_steps = 4 if a.quick else 300
   # --out holds one regime, size and set of stage configs: reusing it for another would skip "finished" runs of the
   # wrong kind (a changed configs/three_stage.py, say), so the resolved configs are recorded and must match.
+  frameworks = [f for f in a.frameworks.split(",") if f]
+  for f in frameworks:  # NAME:KEY=VALUE must name one of the framework's settings (checked before any run starts)
+    name, _, setting = f.partition(":")
+    key = setting.partition("=")[0]
+    if setting and ("=" not in setting or key not in config_of(variant).get(name, {})):
+      raise SystemExit(f"--frameworks {f!r}: expected NAME or NAME:KEY=VALUE with KEY one of config.{name}'s settings "
+                       f"({sorted(config_of(variant).get(name, {}))})")
   stage_variants = [pre_variant, *([mid_variant] if a.regime == "three_stage" else []), variant]
   setup_file = os.path.join(out, "replicate_setup.json")
   setup = {"regime": a.regime, "quick": a.quick, "configs": {v: json.loads(config_of(v).to_json_best_effort())
@@ -259,7 +271,20 @@ def main():
       raise SystemExit(f"{out} holds a replication run that differs from this command in {differ}: "
                        f"{detail} (recorded, now). Its finished runs would be reused as if they were this "
                        "command's. Use another --out, or restore the configs (nothing was changed).")
-  elif not a.report_only:
+  # The report covers the runs these flags select; one of another selection in --out is kept, not overwritten.
+  report_of = {"seeds": seeds, "gammas": sorted(gammas), **{k: getattr(a, k) for k in (
+      "token_weights", "methods", "frameworks", "token_groups", "token_keeps", "frozen_scale")}}
+  sfx = f"_{a.report_tag}" if a.report_tag else ""
+  report_file = os.path.join(out, f"results{sfx}.json")
+  if os.path.exists(report_file):
+    with open(report_file) as f:
+      prev = json.load(f).get("report_of")
+    if prev != report_of:
+      raise SystemExit(
+          f"{report_file} is the report of {prev or 'a run set not recorded (an older replicate.py)'}; this command's "
+          f"({report_of}) would overwrite it. Pass --report_tag NAME to write results_NAME.json, table_NAME.md and "
+          "*_NAME.png beside it (finished runs in --out are reused either way; nothing was changed).")
+  if not os.path.exists(setup_file) and not a.report_only:
     with open(setup_file + ".tmp", "w") as f:
       json.dump(setup, f, indent=1)
     os.replace(setup_file + ".tmp", setup_file)  # a crash leaves no torn file that a rerun would fail to read
@@ -297,8 +322,8 @@ def main():
                for s in seeds}
   scale_runs = {(g, s): os.path.join(out, f"ft_frozenscale_gamma{g}_seed{s}") for g in (0.0, 0.5) for s in seeds} \
       if a.frozen_scale else {}
-  frameworks = [f for f in a.frameworks.split(",") if f]
-  fw_runs = {(f, g, s): os.path.join(out, f"ft_fw_{f}_gamma{g}_seed{s}") for f in frameworks for g in (0.0, 0.5)
+  fw_runs = {(f, g, s): os.path.join(out, f"ft_fw_{f.replace(':', '_').replace('=', '-')}_gamma{g}_seed{s}")
+             for f in frameworks for g in (0.0, 0.5)
              for s in seeds}
   # The token term's cost options (docs/objective.md), λ = 1 and γ = 0.5, against the whole term from the same start
   # (its runs are the --token_weights 1 runs of γ 0.5: one directory, run once).
@@ -359,9 +384,10 @@ def main():
     for (f, g, s), w in fw_runs.items():
       if finished(w, ft_steps):
         continue
-      fw_args = ["--config.optimizer.lr_multipliers=((r'^(image|text)_aggregator/', 10.0),)"] if f == "finelip" else []
+      name, _, setting = f.partition(":")  # NAME or NAME:KEY=VALUE (one of the framework's own settings)
+      fw_args = ["--config.optimizer.lr_multipliers=((r'^(image|text)_aggregator/', 10.0),)"] if name == "finelip" else []
       run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
-           f"--config.framework={f}", *fw_args], w + ".log")
+           f"--config.framework={name}", *fw_args, *([f"--config.{name}.{setting}"] if setting else [])], w + ".log")
     for s, w in smalls.items():
       if not finished(w, ft_steps):
         run([*common, *ft_args, "--workdir", w, "--config.loss.gamma=0.5", f"--config.seed={s}",
@@ -371,7 +397,8 @@ def main():
         geometry(variant, runs[(g, seeds[0])], os.path.join(out, f"geometry_finetuned_gamma{g}"), a.data_dir)
 
   steps_per_epoch = max(1, num_train // batch)
-  results = {"pretrain": final_recall(pre), "by_gamma": {}, "saturation": {}, "paired": {}, "setup": {
+  results = {"report_of": report_of, "pretrain": final_recall(pre), "by_gamma": {}, "saturation": {}, "paired": {},
+             "setup": {
       "regime": a.regime, "loss": a.loss, "pretrain_steps": pre_steps, "finetune_steps": ft_steps, "batch": batch,
       "num_train": num_train, "seeds": seeds, "gammas": gammas, "pretrain_config": pre_variant, "config": variant}}
   results["geometry"] = {name: json.load(open(os.path.join(out, name, "summary.json")))
@@ -434,8 +461,9 @@ def main():
                                 "gamma0_100pct": results["by_gamma"].get("0.0")}
   if len(smalls) > 1:
     results["data_efficiency"]["gamma0.5_20pct_over_seeds"] = mean_std(list(smalls.values()))
-  with open(os.path.join(out, "results.json"), "w") as f:
+  with open(report_file + ".tmp", "w") as f:
     json.dump(results, f, indent=2)
+  os.replace(report_file + ".tmp", report_file)
 
   lines = ["| γ | t2i R@1 | t2i R@5 | t2i R@10 | i2t R@1 | i2t R@5 | i2t R@10 |", "|---|---|---|---|---|---|---|"]
   pr = results["pretrain"]
@@ -469,7 +497,7 @@ def main():
   de = results["data_efficiency"]["gamma0.5_20pct"]
   lines.append(f"| 0.5, 20% data, seed {min(smalls)} | " + " | ".join(f"{de[f'{d}/R@{k}']:.2f}" for d in ("t2i", "i2t")
                                                        for k in (1, 5, 10)) + " |")
-  with open(os.path.join(out, "table.md"), "w") as f:
+  with open(os.path.join(out, f"table{sfx}.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
   print("\n".join(lines))
 
@@ -487,7 +515,7 @@ def main():
                                                     a.regime, "fine-tuned from InfoNCE pre-training"))
   ax.legend()
   fig.tight_layout()
-  fig.savefig(os.path.join(out, "recall_vs_gamma.png"), dpi=120)
+  fig.savefig(os.path.join(out, f"recall_vs_gamma{sfx}.png"), dpi=120)
   plt.close(fig)
   fig, ax = plt.subplots(figsize=(5, 3.5))
   for g in [g for g in ("0.0", "0.5") if g in results["saturation"]]:
@@ -499,7 +527,7 @@ def main():
   ax.set(xlabel="fine-tuning step", ylabel="share of examples with loss < 1e-3", title="saturation")
   ax.legend()
   fig.tight_layout()
-  fig.savefig(os.path.join(out, "saturation.png"), dpi=120)
+  fig.savefig(os.path.join(out, f"saturation{sfx}.png"), dpi=120)
   plt.close(fig)
   if "0.0" in results["saturation"] and "0.5" in results["saturation"]:  # the paper's Fig. 4, per epoch
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -518,7 +546,7 @@ def main():
       ax.set_ylim(-2, 102)
       ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "fig4_saturation_per_epoch.png"), dpi=120)
+    fig.savefig(os.path.join(out, f"fig4_saturation_per_epoch{sfx}.png"), dpi=120)
     plt.close(fig)
   de = results["data_efficiency"]  # the paper's Fig. 6: γ = 0.5 on 20% of the data vs γ = 0 on 100%
   if de["gamma0_100pct"]:
@@ -531,7 +559,7 @@ def main():
     ax.set(ylabel="R@1 (%)", title=f"data efficiency ({len(smalls)} seed{'s' * (len(smalls) > 1)})")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "fig6_data_efficiency.png"), dpi=120)
+    fig.savefig(os.path.join(out, f"fig6_data_efficiency{sfx}.png"), dpi=120)
     plt.close(fig)
 
 

@@ -97,7 +97,7 @@ def replication(tmp_path_factory, tfds_dir):
   rep.python = python
   argv = sys.argv
   sys.argv = ["benchmarks/replicate.py", "--quick", "--out", str(out), "--regime", "three_stage", "--seeds", "0",
-              "--gammas", "0,0.5", "--frameworks", "finelip", "--token_groups", "4", "--token_keeps", "0.5",
+              "--gammas", "0,0.5", "--frameworks", "finelip,finelip:reduction=mean", "--token_groups", "4", "--token_keeps", "0.5",
               "--methods", "dora_detached", "--frozen_scale", f"--data_dir={tfds_dir}"]
   try:
     rep.main()
@@ -135,7 +135,8 @@ def test_replicate_quick_writes_its_outputs(replication):
   assert "| 0.5, DORA_DETACHED rank 16 |" in open(replication / "table.md").read()
   # every γ = 0.5 vs γ = 0 comparison, paired over the seeds (one seed here: no interval)
   assert set(res["paired"]) == {"gamma0.5_vs_0", "dora_detached_gamma0.5_vs_0",
-                                "framework_finelip_gamma0.5_vs_0", "frozen_scale_gamma0.5_vs_0",
+                                "framework_finelip_gamma0.5_vs_0", "framework_finelip:reduction=mean_gamma0.5_vs_0",
+                                "frozen_scale_gamma0.5_vs_0",
                                 "gamma0.0_frozen_vs_learned_scale", "gamma0.5_frozen_vs_learned_scale"}
   d = res["paired"]["gamma0.5_vs_0"]["t2i/R@1"]
   assert d["ci95"] is None and d["per_seed"] == [pytest.approx(res["by_gamma"]["0.5"]["t2i/R@1"][0]
@@ -160,6 +161,27 @@ def test_replicate_quick_writes_its_outputs(replication):
   finally:
     sys.argv = argv
   assert os.listdir(changed) == ["replicate_setup.json"]
+  # A report of another selection of runs (γ 0 alone) stops rather than overwrite this one, and with --report_tag
+  # is written beside it.
+  report = sorted(os.listdir(replication))
+  only0 = ["benchmarks/replicate.py", "--quick", "--out", str(replication), "--regime", "three_stage", "--seeds", "0",
+           "--gammas", "0", "--report_only"]
+  for extra in ([], ["--report_tag", "g0"]):
+    argv, sys.argv = sys.argv, only0 + extra
+    try:
+      if extra:
+        load_replicate().main()
+      else:
+        with pytest.raises(SystemExit, match=r"results.json is the report of .*'gammas': \[0.0, 0.5\].*--report_tag"):
+          load_replicate().main()
+        assert sorted(os.listdir(replication)) == report
+    finally:
+      sys.argv = argv
+  assert json.load(open(replication / "results.json")) == res
+  g0 = json.load(open(replication / "results_g0.json"))
+  assert set(g0["by_gamma"]) == {"0.0"} and g0["by_gamma"]["0.0"] == res["by_gamma"]["0.0"]
+  assert set(os.listdir(replication)) - set(report) == {"results_g0.json", "table_g0.md", "recall_vs_gamma_g0.png",
+                                                          "saturation_g0.png", "fig6_data_efficiency_g0.png"}
   pre_model = json.load(open(replication / "pretrain" / "model.json"))
   ft_model = json.load(open(replication / "ft_gamma0.5_seed0" / "model.json"))
   assert pre_model["text_context"] == 32 and ft_model["text_context"] == 68
@@ -169,7 +191,14 @@ def test_replicate_quick_writes_its_outputs(replication):
 
   assert all(len(v) == 2 for v in res["by_gamma"]["0.5"].values())  # mean, std (over seeds: the test below)
   # --frameworks finelip: FineLIP runs from the same start, their rows in results.json and the table.
-  assert set(res["frameworks"]) == {"finelip_gamma0.0", "finelip_gamma0.5"}
+  assert set(res["frameworks"]) == {f"finelip{x}_gamma{g}" for x in ("", ":reduction=mean") for g in (0.0, 0.5)}
+  # finelip:reduction=mean is FineLIP with config.finelip.reduction="mean": from the same start, seed and batch its
+  # first hinge is the summed one divided by the batch (16)
+  first_fine = lambda w: next(r for r in map(json.loads, open(replication / w / "metrics.jsonl"))
+                              if "loss/fine" in r)["loss/fine"]
+  assert first_fine("ft_fw_finelip_reduction-mean_gamma0.5_seed0") == pytest.approx(
+      first_fine("ft_fw_finelip_gamma0.5_seed0") / 16, rel=1e-5)
+  assert "| 0.5, framework finelip:reduction=mean |" in open(replication / "table.md").read()
   fl = json.load(open(replication / "ft_fw_finelip_gamma0.5_seed0" / "model.json"))
   assert dict(fl["part_settings"])["tokens"] == 39 and "| 0.5, framework finelip |" in open(replication / "table.md").read()
   # --token_groups 4 --token_keeps 0.5: the token term's cost options next to the whole term, same start and seeds.
@@ -207,6 +236,20 @@ def test_replicate_quick_writes_its_outputs(replication):
   for r in compared:  # the comparison's HN gradient is the train step's gradient on the same batch
     assert r["diag/hn/param_grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
     assert -1 <= r["diag/grad_cosine"] <= 1
+
+
+def test_replicate_refuses_a_framework_setting_it_does_not_know(tmp_path):
+  """--frameworks NAME:KEY=VALUE: KEY must be one of config.NAME's settings, checked before anything runs."""
+  for spec, match in (("finelip:reductio=mean", r"'finelip:reductio=mean'.*config.finelip's settings.*'reduction'"),
+                      ("finelip:reduction", r"expected NAME or NAME:KEY=VALUE")):
+    argv, sys.argv = sys.argv, ["benchmarks/replicate.py", "--quick", "--out", str(tmp_path / "r"), "--regime",
+                                "three_stage", "--frameworks", spec]
+    try:
+      with pytest.raises(SystemExit, match=match):
+        load_replicate().main()
+    finally:
+      sys.argv = argv
+    assert os.listdir(tmp_path / "r") == []
 
 
 def test_replication_summaries_over_seeds_and_epochs_match_numpy(tmp_path):
