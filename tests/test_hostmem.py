@@ -48,8 +48,14 @@ def _a_preloadable_library():
   found = hostmem.find_tcmalloc()
   if found:
     return found
-  import _lzma
-  return _lzma.__file__
+  # Not _lzma or _bz2: shutil (imported by subprocess, pdb, ...) maps them in every probe. Found without importing.
+  import importlib.util
+  for name in ("_sqlite3", "_curses", "_dbm", "_gdbm"):
+    spec = importlib.util.find_spec(name)
+    if spec and spec.origin and spec.origin.endswith(".so"):
+      return spec.origin
+  pytest.fail("no tcmalloc and none of _sqlite3/_curses/_dbm/_gdbm as a shared object to check the re-exec with; "
+              "install libtcmalloc-minimal4 (.ci/run does)")
 
 
 PROBE = r"""
