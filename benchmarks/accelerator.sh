@@ -1,12 +1,34 @@
 #!/usr/bin/env bash
-# One prepared run of benchmarks 1, 3, 4 (N = 1M), 5, the token term's and each framework's step cost on whatever accelerator JAX sees; < 8 minutes on one
-# modern GPU. Results (JSON + the printed tables) go to ${OUT:-accelerator_results}/.
+# One prepared run of benchmarks 1, 3, 4 (N = 1M), 5, the token term's and each framework's step cost, a profiler
+# trace of three ViT-B/16 steps, on whatever accelerator JAX sees. Results (JSON + the printed tables) go to
+# ${OUT:-accelerator_results}/; stages.tsv lists every stage with its exit code and seconds.
 #   bash benchmarks/accelerator.sh            # full sizes
 #   bash benchmarks/accelerator.sh --quick    # CPU-sized smoke run (what the tests run)
-set -euo pipefail
+# A lent accelerator is short-lived: the stages run most-wanted first, a failed stage does not stop the ones after it
+# (the script exits 1 at the end if any failed), and ACC_BUDGET_S (seconds, optional) bounds the whole run: each
+# stage is stopped when the budget is spent, so a run always returns what it finished.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-accelerator_results}"
 mkdir -p "$out"
+start=$(date +%s)
+budget="${ACC_BUDGET_S:-0}"
+failed=0
+printf "stage\trc\tseconds\n" > "$out/stages.tsv"
+stage() {  # stage NAME OUTFILE CMD...: runs CMD, tees it to OUTFILE, records rc and time
+  local name="$1" log="$2"; shift 2
+  local t0 rc left=0
+  t0=$(date +%s)
+  if [[ "$budget" -gt 0 ]]; then
+    left=$(( budget - (t0 - start) ))
+    if [[ "$left" -le 5 ]]; then printf "%s\tskipped (budget)\t0\n" "$name" >> "$out/stages.tsv"; failed=1; return; fi
+    timeout "$left" "$@" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
+  else
+    "$@" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
+  fi
+  printf "%s\t%s\t%s\n" "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$out/stages.tsv"
+  if [[ "$rc" -ne 0 ]]; then echo "stage $name failed (exit $rc)"; failed=1; fi
+}
 if [[ "${1:-}" == "--quick" ]]; then
   steps=(--models tiny --batch tiny=16 --reps 2); mem=(--memory_only tiny --batch tiny=16)
   retr=(--sizes 2000 --methods hnclip --argsort_max 0); loss=(--batches 512,1024 --chunk 64 --dim 64 --devices 2)
@@ -18,19 +40,23 @@ else
   tok=(--models tiny,vit_b16 --batch tiny=1024,vit_b16=256 --reps 10)
   fw=(--models tiny,vit_b16 --batch tiny=1024,vit_b16=64 --reps 10)  # StructXLIP: 5 images per example
 fi
-python -c "import jax; print(jax.devices())" | tee "$out/devices.txt"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true; } >> "$out/devices.txt"
-python benchmarks/step_time.py "${steps[@]}" --json "$out/step_time.json" | tee "$out/step_time.txt"
-python benchmarks/step_time.py "${mem[@]}" --json "$out/memory.json" | tee "$out/memory.txt"
-if [[ "${1:-}" != "--quick" ]]; then  # bf16 fast path: attention written as einsums, XLA's, cuDNN's fused kernel (GPU; non-fatal)
-  for impl in einsum xla cudnn; do
-    python benchmarks/step_time.py --models vit_b16 --batch vit_b16=256 --reps 5 --peak_n 8192 --dtype bfloat16 \
-      --attention "$impl" --json "$out/step_time_bf16_$impl.json" | tee "$out/step_time_bf16_$impl.txt" \
-      || echo "bf16 step with attention=$impl failed (see above)"
-  done
-fi
-python benchmarks/objective.py time "${tok[@]}" --json "$out/token_term.json" | tee "$out/token_term.txt"
-python benchmarks/frameworks.py "${fw[@]}" --json "$out/frameworks.json" | tee "$out/frameworks.txt"
-python benchmarks/retrieval.py "${retr[@]}" --json "$out/retrieval.json" | tee "$out/retrieval.txt"
-python benchmarks/loss_memory.py "${loss[@]}" --json "$out/loss_memory.json" | tee "$out/loss_memory.txt"
+python -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/devices.txt"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null || true; } >> "$out/devices.txt"
+# Step time, margin overhead and MFU, then a profiler trace of three steps of the last model (benchmark 3).
+stage step_time "$out/step_time.txt" python benchmarks/step_time.py "${steps[@]}" --json "$out/step_time.json" \
+  --trace "$out/trace"
+bf16() {  # bf16 fast path, one attention implementation: einsums, XLA's, cuDNN's fused kernel (GPU)
+  stage "step_time_bf16_$1" "$out/step_time_bf16_$1.txt" python benchmarks/step_time.py --models vit_b16 \
+    --batch vit_b16=256 --reps 5 --peak_n 8192 --dtype bfloat16 --attention "$1" --json "$out/step_time_bf16_$1.json"
+}
+full() { [[ "${1:-}" != "--quick" ]]; }
+if full "${1:-}"; then bf16 cudnn; bf16 einsum; fi
+stage token_term "$out/token_term.txt" python benchmarks/objective.py time "${tok[@]}" --json "$out/token_term.json"
+stage frameworks "$out/frameworks.txt" python benchmarks/frameworks.py "${fw[@]}" --json "$out/frameworks.json"
+stage retrieval "$out/retrieval.txt" python benchmarks/retrieval.py "${retr[@]}" --json "$out/retrieval.json"
+stage loss_memory "$out/loss_memory.txt" python benchmarks/loss_memory.py "${loss[@]}" --json "$out/loss_memory.json"
+if full "${1:-}"; then bf16 xla; fi
+stage memory "$out/memory.txt" python benchmarks/step_time.py "${mem[@]}" --json "$out/memory.json"
+cat "$out/stages.tsv"
 echo "results in $out"
+exit "$failed"

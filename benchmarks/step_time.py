@@ -50,6 +50,10 @@ def main():
   p.add_argument("--peak_n", type=int, default=2048, help="size of the square matmul that probes the peak")
   p.add_argument("--baseline_gamma", type=float, default=0.0,
                  help="γ of the baseline program; 0.5 gives an A/A control (two copies of the same step)")
+  p.add_argument("--trace", default="",
+                 help="after timing, write a jax.profiler trace of --trace_steps γ = 0.5 steps of the last model here "
+                      "(TensorBoard's profile plugin or Perfetto)")
+  p.add_argument("--trace_steps", type=int, default=3)
   p.add_argument("--json", default="")
   a = p.parse_args()
   batches = dict(kv.split("=") for kv in a.batch.split(","))
@@ -116,6 +120,12 @@ def main():
                  "analytic_TFLOP": flops / 1e12, "xla_TFLOP": xla_flops["hn"] / 1e12,
                  "TFLOP/s": flops / float(np.median(samples["hn"])) / 1e12,
                  "peak_TFLOPs": float(np.median(peak_at)) / 1e12, "MFU_pct": float(100 * np.median(mfu))})
+  if a.trace:  # a few steps of the last model's γ = 0.5 program, each a named step in the trace
+    with jax.profiler.trace(a.trace):
+      for i in range(a.trace_steps):
+        with jax.profiler.StepTraceAnnotation("train", step_num=i):
+          run("hn")
+    results["trace"] = {"dir": a.trace, "model": rows[-1]["model"], "steps": a.trace_steps}
   results["models"] = rows
   results["peak_matmul_TFLOPs"] = float(np.median(peaks)) / 1e12
   results["peak_matmul_TFLOPs_range"] = [min(peaks) / 1e12, max(peaks) / 1e12]

@@ -1,4 +1,6 @@
 """The prepared accelerator benchmark script runs end to end in its CPU quick mode and writes every result."""
+import glob
+import gzip
 import json
 import os
 import subprocess
@@ -30,6 +32,25 @@ def test_accelerator_script_quick_mode(tmp_path):
   assert tok["model"] == "tiny" and tok["batch"] == 16 and tok["step_s_hn"] > 0 and tok["step_s_hn+tok"] > 0
   for name in ("memory.json", "devices.txt"):
     assert os.path.getsize(tmp_path / name) > 0
+  # Every stage ran and succeeded, and the profiler trace holds the three annotated train steps.
+  stages = [line.split("\t") for line in open(tmp_path / "stages.tsv").read().splitlines()[1:]]
+  assert [s[0] for s in stages] == ["step_time", "token_term", "frameworks", "retrieval", "loss_memory", "memory"]
+  assert all(s[1] == "0" for s in stages), stages
+  traces = glob.glob(str(tmp_path / "trace" / "plugins" / "profile" / "*" / "*.trace.json.gz"))
+  assert len(traces) == 1 and glob.glob(str(tmp_path / "trace" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+  events = json.load(gzip.open(traces[0]))["traceEvents"]
+  steps = [e for e in events if e.get("name") == "train" and e.get("ph") == "X"]
+  assert len(steps) == 3, len(steps)
+
+
+def test_accelerator_script_reports_stages_its_time_budget_left_out(tmp_path):
+  # With the budget spent before the first stage, every stage is recorded as skipped and the script exits 1.
+  env = _env(1, {"OUT": str(tmp_path), "ACC_BUDGET_S": "1", **CACHED})
+  proc = subprocess.run(["bash", "benchmarks/accelerator.sh", "--quick"], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 1, proc.stdout[-2000:]
+  stages = [line.split("\t") for line in open(tmp_path / "stages.tsv").read().splitlines()[1:]]
+  assert len(stages) == 6 and all(s[1] == "skipped (budget)" for s in stages), stages
 
 
 def test_stop_check_benchmark_runs(tmp_path):
