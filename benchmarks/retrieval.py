@@ -92,7 +92,9 @@ def main():
         print(f"{m} at N={n} failed: {out.stderr[-500:]}")
         continue
       rows.append(json.loads(out.stdout.split("RESULT ", 1)[1]))
-  print(f"Recall@K, both directions, D = {a.dim}, {os.cpu_count()} CPU cores")
+  dev = subprocess.run([sys.executable, "-c", "import jax; print(jax.devices()[0].device_kind)"], capture_output=True,
+                       text=True).stdout.strip() if "hnclip" in a.methods else "-"
+  print(f"Recall@K, both directions, D = {a.dim}, {os.cpu_count()} CPU cores, recall_at_k on JAX device: {dev}")
   print("| N | method | seconds | peak RSS MB | RSS growth MB | t2i R@1 | i2t R@10 |\n|---|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r['n']} | {r['method']} | {r['seconds']:.2f} | {r['peak_rss_MB']:.0f} | {r['rss_growth_MB']:.0f} | "

@@ -13,6 +13,7 @@ times two separately compiled copies of the γ = 0.5 step instead: an A/A contro
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if __name__ == "__main__":  # tcmalloc when installed (train.py: HNCLIP_TCMALLOC=1): hnclip_jax/hostmem.py
@@ -75,7 +76,11 @@ def main():
     print(table(results["models"], ["model", "batch", "gamma", "temp_GB", "args_GB"]))
     dump(a.json, results)
     return
+  def progress(what, t0):  # where the time goes, as it goes: a lent accelerator's run may be cut short
+    print(f"[step_time] {what}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+  t0 = time.perf_counter()
   probe = peak_matmul_probe(a.peak_n)
+  progress(f"peak probe ({a.peak_n}³ matmul) compiled and run", t0)
   peaks = []
   rows = []
   for name in a.models.split(","):
@@ -90,8 +95,13 @@ def main():
     gammas = {"base": a.baseline_gamma, "hn": 0.5}  # baseline_gamma=0.5: an A/A control of the harness's noise
     for slot, gamma in gammas.items():
       step, state_abs, sh, tx, batch_abs = build(cfg, b, gamma, mesh)
-      state = jax.jit(lambda: train_step.init_state(init_params(cfg, 0)[1], tx), out_shardings=sh)()
+      t0 = time.perf_counter()
+      state = jax.block_until_ready(
+          jax.jit(lambda: train_step.init_state(init_params(cfg, 0)[1], tx), out_shardings=sh)())
+      progress(f"{name} batch {b}: state initialised", t0)
+      t0 = time.perf_counter()
       compiled = step.lower(state, batch).compile()
+      progress(f"{name} batch {b} γ={gamma}: train step compiled", t0)
       cost = compiled.cost_analysis()
       cost = cost[0] if isinstance(cost, list) else cost
       # XLA's cost analysis counts a loop body once: complete only for a program without loops (this step at
