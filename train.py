@@ -174,6 +174,7 @@ def main(argv):
           extra.update(compare_fn(state["params"], batch))
         state, metrics = step_fn(state, batch)
         faults.maybe_kill("kill", step)
+        faults.maybe_kill("kill_after_saves", step, before=ckpt.wait)
         stopping = stop.requested(step)
         ckpt.check(step)  # a failed background save stops the run now (<= checkpoint_overlap_steps later), naming it
         if logging_step or stopping or extra:

@@ -1,7 +1,8 @@
 """Fault injection for the reliability tests, driven by the HNCLIP_FAULT environment variable.
 
 HNCLIP_FAULT="EVENT@STEP[,EVENT@STEP...]" with EVENT one of:
-  kill              SIGKILL the process right after train step STEP
+  kill              SIGKILL the process right after train step STEP (a checkpoint save may still be in flight)
+  kill_after_saves  the same, once every checkpoint save started before it has committed (a resume is certain)
   kill_during_save  SIGKILL right after the (asynchronous) checkpoint write of STEP has started
   save_fails        the checkpoint write of STEP fails as a full disk would (OSError ENOSPC)
   nan               the batch of step STEP is made non-finite
@@ -21,8 +22,11 @@ def _armed(event: str, step: int) -> bool:
   return f"{event}@{step}" in {s.strip() for s in spec.split(",")}
 
 
-def maybe_kill(event: str, step: int) -> None:
+def maybe_kill(event: str, step: int, before=None) -> None:
+  """SIGKILL if EVENT@STEP is armed, after calling `before()` when given."""
   if _armed(event, step):
+    if before is not None:
+      before()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
