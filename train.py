@@ -190,6 +190,8 @@ def main(argv):
           ckpt.wait()
           log(f"{stop.signal_name}: stopped after step {step}; checkpoint {ckpt.directory}/{step} written. "
               "Rerun the same command to resume.")
+          if jax.process_index() > 0:  # each host's own log says where it stopped (process 0's says it above)
+            print(f"process {jax.process_index()}: stopped after step {step}", flush=True)
           stopped = True
           break
         if step % config.eval_every == 0 or step == config.total_steps:

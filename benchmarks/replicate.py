@@ -564,4 +564,10 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  try:
+    main()
+  except SystemExit as e:  # a refusal (SystemExit with a message): one `error:` line and exit 2, as train.py
+    if not isinstance(e.code, str):
+      raise
+    print(f"error: {e.code}", file=sys.stderr, flush=True)
+    sys.exit(2)

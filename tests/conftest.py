@@ -123,6 +123,18 @@ IN_PROCESS_MODULES = ("hnclip_jax.tools.caption_geometry", "hnclip_jax.tools.mat
                       "hnclip_jax.pretrained.merge_adapters")
 
 
+def assert_error_exit(proc, *fragments, code: int = 2) -> str:
+  """The documented way an entry point refuses: exit `code` (2), no traceback, and exactly one `error: ...` line on
+  stderr, its last line, holding every fragment. Returns that line."""
+  assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
+  lines = proc.stderr.strip().splitlines()
+  errors = [line for line in lines if line.startswith("error: ")]
+  assert len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  for f in fragments:
+    assert f in errors[0], (f, errors[0])
+  return errors[0]
+
+
 def run_py(args, *, devices: int = 1, timeout: int = 600, check: bool = True, env_extra=None):
   """Runs `python ARGS` from the repo root with `devices` fake CPU devices. A one-device `train.py` / `eval.py` run or
   `python -m TOOL` (IN_PROCESS_MODULES) with no environment changes runs in this process (`run_entry`: the same flag

@@ -171,16 +171,19 @@ def _popen(args, log, env_extra=None):
                           stderr=subprocess.STDOUT, text=True)
 
 
-def _watch_rows(workdir):
+def _watch_rows(workdir, final: bool = False):
+  """The watcher's rows of eval_history.jsonl. While it runs, a last line being appended right now is read on the
+  next look; final=True (the watcher has ended): every line must parse."""
   path = os.path.join(workdir, "eval_history.jsonl")
   if not os.path.exists(path):
     return []
+  lines = open(path).read().splitlines()
   rows = []
-  for line in open(path).read().splitlines():
-    try:  # a line being appended right now is read on the next look
+  for i, line in enumerate(lines):
+    try:
       rows.append(json.loads(line))
     except ValueError:
-      pass
+      assert not final and i == len(lines) - 1, f"{path}: line {i + 1} of {len(lines)} does not parse: {line!r}"
   return [r for r in rows if r.get("job") == "watch"]
 
 
@@ -215,7 +218,7 @@ def test_watcher_follows_training_through_kills_deletions_and_restarts(reference
   out = {k: (f.seek(0), f.read())[1] for k, f in logs.items()}
   assert f"the final step {TOTAL} is evaluated; stopping" in out["watch2"]
   assert "resumed from" in out["train2"] and "done:" in out["train2"]
-  rows = _watch_rows(work)
+  rows = _watch_rows(work, final=True)
   steps = [r["step"] for r in rows]
   assert steps == sorted(set(steps)) and steps[-1] == TOTAL, steps  # in step order, none twice
   assert steps[:len(first)] == first and f"steps {first}" in out["watch2"]  # the restart picked up its history
@@ -295,7 +298,7 @@ def test_watcher_skips_deleted_checkpoints_and_ends_on_timeout(reference, tfds_d
   assert summary["evaluated"] == [1, 2, 5, 6] and summary["skipped"] == [3, 4]
   assert "step 3: its checkpoint was deleted by training (max_to_keep) before it was read; skipped" in out
   assert "no new checkpoint in" in out and now[0] > 30
-  assert [r["step"] for r in _watch_rows(work)] == [1, 2, 5, 6]
+  assert [r["step"] for r in _watch_rows(work, final=True)] == [1, 2, 5, 6]
   # Restarted with the newest-only option after training went on: only the newest of the waiting steps.
   for s in (7, 8, 9):
     shutil.copytree(os.path.join(reference, "checkpoints", str(s)), os.path.join(work, "checkpoints", str(s)))

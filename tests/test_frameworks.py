@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from scipy.special import erf
 
-from conftest import run_py
+from conftest import assert_error_exit, run_py
 from hnclip_jax import config as config_lib, experiment, losses, pretrained, sharding
 from hnclip_jax.evaluation.retrieval import recall_at_k, recall_from_scores
 from hnclip_jax.models import CLIPConfig, bind, init_params
@@ -473,7 +473,7 @@ def test_finelip_trains_resumes_bit_identically_and_evaluates(tmp_path, tfds_dir
           "--config.checkpoint_every=1", "--config.eval_every=1", "--workdir", plain])
   proc = run_py(["eval.py", "--config", CONFIG, "--workdir", plain, f"--config.data.data_dir={tfds_dir}",
                  "--score=finelip"], check=False)
-  assert proc.returncode != 0 and "--score=finelip needs FineLIP's token aggregators" in proc.stderr
+  assert_error_exit(proc, "--score=finelip needs FineLIP's token aggregators")
 
 
 def test_a_model_description_from_before_parts_loads():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import run_py
+from conftest import assert_error_exit, run_py
 from hnclip_jax import pretrained
 from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.models import CLIPConfig, init_params
@@ -83,5 +83,5 @@ def test_cli_writes_segments_in_the_pairs_layout(model_dir, tmp_path):
   (tmp_path / "boxes.json").write_text(json.dumps(entries))
   proc = run_py(["-m", "hnclip_jax.tools.match_segments", "--model", model_dir, "--manual_dir", str(tmp_path),
                  "--boxes", str(tmp_path / "boxes.json"), "--out", str(tmp_path / "bad.json")], check=False)
-  assert proc.returncode != 0 and "boxes.json[0] box 2: box [0, 0, 0, 0] is empty or reversed" in proc.stderr
+  assert_error_exit(proc, "boxes.json[0] box 2: box [0, 0, 0, 0] is empty or reversed")
   assert not (tmp_path / "bad.json").exists()

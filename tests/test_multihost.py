@@ -83,6 +83,7 @@ def test_sigterm_on_one_process_stops_all_at_the_same_step(tmp_path, tfds_dir, s
   reason = "SIGTERM to one of the processes" if service else "a signal to another process"
   stopped = int(outs[0][0].split(f"{reason}: stopped after step ")[1].split(";")[0])
   assert stopped >= 3
+  assert f"process 1: stopped after step {stopped}\n" in outs[1][0]  # both processes stopped after the same step
   checkpoints = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
   assert checkpoints == [stopped]
   with open(path) as f:

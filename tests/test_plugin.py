@@ -95,6 +95,13 @@ def test_an_outside_framework_trains_resumes_bit_identically_and_evaluates(tmp_p
   for r in rows:  # the term is logged and is in the loss with its weight (config.patch_align.weight = 0.7)
     assert r["loss/patch_align"] > 0
     assert r["loss"] == pytest.approx(r["loss/hn"] + 0.7 * r["loss/patch_align"], rel=1e-5)
+  # The per-example input reaches the loss: with words_scale 0 every weight is 1 instead of 1 + 0.1·(word count), so
+  # step 1 (the same start and batch) logs a smaller term; a term that ignored its input would log the same value.
+  flat = str(tmp_path / "flat")
+  run_py([*args, "--workdir", flat, "--config.patch_align.words_scale=0", "--config.total_steps=1"], env_extra=ENV)
+  unweighted = [r for r in metrics_rows(flat) if "loss" in r][0]
+  assert unweighted["step"] == 1 and unweighted["loss/hn"] == rows[0]["loss/hn"]
+  assert rows[0]["loss/patch_align"] > 1.5 * unweighted["loss/patch_align"] > 0  # captions have > 5 words
   # Resumed from step 2 (its step-4 checkpoint deleted): bit-identical metrics and parameters.
   check_resume_is_bit_identical([*args], w, str(tmp_path / "again"), last=4, resume_from=2, env_extra=ENV)
   run_py(["eval.py", "--config", CONFIG, f"--config.data.data_dir={tfds_dir}", "--workdir", w], env_extra=ENV)

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from hnclip_jax import pretrained  # noqa: E402
 from hnclip_jax.data.clip_tokenizer import OPENAI_NUM_MERGES, CLIPTokenizer, byte_alphabet  # noqa: E402
-from conftest import ROOT, run_py  # noqa: E402
+from conftest import ROOT, assert_error_exit, run_py  # noqa: E402
 
 # OpenAI's real merge list, from the project's shared/ folder beside the checkout (never copied into the repo).
 OPENAI_BPE = os.path.join(os.environ.get("HNCLIP_SHARED_DIR", os.path.join(os.path.dirname(ROOT), "shared")),
@@ -445,12 +445,13 @@ def test_export_warnings_and_refusals(tmp_path):
   assert_parity(pretrained.load(str(out)), model)
   bad = run_py(["-m", "hnclip_jax.pretrained.export", str(src), str(tmp_path / "m.pt"), "--format=openai"],
                check=False)
-  assert bad.returncode != 0 and "cannot be written in the OpenAI format" in bad.stderr
+  assert_error_exit(bad, "cannot be written in the OpenAI format")
   assert "'gelu'" in bad.stderr and "heads of width 8" in bad.stderr and "--format=hf" in bad.stderr
   assert not os.path.exists(tmp_path / "m.pt")
   bad = run_py(["-m", "hnclip_jax.pretrained.export", str(src), str(tmp_path / "dir"), "--format=openai"],
                check=False)
-  assert bad.returncode != 0 and "should end in .pt" in bad.stderr and not os.path.exists(tmp_path / "dir")
+  assert_error_exit(bad, "should end in .pt")
+  assert not os.path.exists(tmp_path / "dir")
 
 
 def test_encoders_run_in_fixed_batches(tmp_path):

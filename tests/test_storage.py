@@ -31,6 +31,34 @@ def can_mount() -> bool:
   return os.geteuid() == 0 and subprocess.run(["mount", "--version"], capture_output=True).returncode == 0
 
 
+USERNS = ["unshare", "--user", "--map-root-user", "--mount"]
+
+
+def rerun_as_namespace_root(request) -> bool:
+  """For a check that needs a real small disk (a tmpfs) where this process may not mount one (not root, or
+  HNCLIP_TEST_NO_MOUNT=1): runs this same test in a fresh pytest process as root of its own user and mount namespace
+  (`unshare --user --map-root-user --mount`, open to unprivileged users where the kernel allows user namespaces)
+  and asserts it passed there. Returns True when it did (the caller then returns), False when this process can
+  mount; skips, saying why, where neither is possible (listed at the end of the run: pytest -rs)."""
+  if can_mount():
+    return False
+  if os.environ.get("HNCLIP_TEST_IN_USERNS"):
+    pytest.fail("root of a user namespace, yet a tmpfs cannot be mounted here")
+  probe = subprocess.run([*USERNS, "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", "/mnt"], capture_output=True,
+                         text=True)
+  if probe.returncode != 0:
+    pytest.skip("needs a small tmpfs: not root, and no user namespace may mount one here "
+                f"({(probe.stderr.strip() or 'unshare failed').splitlines()[-1]})")
+  env = {k: v for k, v in os.environ.items()
+         if k != "HNCLIP_TEST_NO_MOUNT" and not k.startswith(("PYTEST_", "XDIST"))}
+  env["HNCLIP_TEST_IN_USERNS"] = "1"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([*USERNS, sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                         request.node.nodeid], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
+  return True
+
+
 @contextlib.contextmanager
 def small_disk(path, kib: int):
   """`path` as a tmpfs of `kib` KiB (root); yields True, or False where mounting is not allowed."""
@@ -74,10 +102,11 @@ def test_a_failed_append_takes_its_partial_line_back(tmp_path):
   assert [r["step"] for r in storage.read_jsonl(path)[0]] == [0, 1, 2, 3]
 
 
-def test_full_tmpfs_append_is_all_or_nothing(tmp_path):
+def test_full_tmpfs_append_is_all_or_nothing(tmp_path, request):
+  if rerun_as_namespace_root(request):
+    return
   with small_disk(tmp_path / "disk", 8) as mounted:
-    if not mounted:
-      pytest.skip("no tmpfs here (not root); test_a_failed_append_takes_its_partial_line_back covers the same path")
+    assert mounted
     path = str(tmp_path / "disk" / "log.jsonl")
     with pytest.raises(OSError) as e:
       for step in range(10_000):
@@ -199,10 +228,11 @@ def test_a_non_finite_state_is_never_written(tmp_path, where):
   ckpt.close()
 
 
-def test_a_save_the_disk_cannot_hold_is_refused_before_writing(tmp_path):
+def test_a_save_the_disk_cannot_hold_is_refused_before_writing(tmp_path, request):
+  if rerun_as_namespace_root(request):
+    return
   with small_disk(tmp_path / "disk", 64) as mounted:
-    if not mounted:
-      pytest.skip("needs a small tmpfs (root); the end-to-end disk-full test covers the non-root path")
+    assert mounted
     ckpt = checkpoint.Checkpointer(str(tmp_path / "disk" / "c"), async_save=False)
     big = {"params": {"w": jnp.ones((64 * 1024,))}, "step": jnp.int32(1)}  # 256 KiB
     with pytest.raises(checkpoint.CheckpointError, match=r"checkpoint .*/c/7 needs about 0.3 MiB, but only"):
