@@ -33,7 +33,7 @@ def main(argv):
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.evaluation import embedding
   from hnclip_jax.evaluation.retrieval import NonFiniteEmbeddings
-  from hnclip_jax.metrics import MetricsWriter, Progress, log, quiet_libraries
+  from hnclip_jax.metrics import MetricsWriter, Progress, StepProfiler, log, quiet_libraries
   from hnclip_jax.models import init_params
   from hnclip_jax.workdir import Workdir, check_model_compatible, config_changes
 
@@ -153,6 +153,7 @@ def main(argv):
   # ---- Training loop ---------------------------------------------------------
   stop = preemption.StopRequest()
   progress = Progress(start, config.total_steps)
+  profiler = StepProfiler(config_lib.profile_steps(config), config.profile.processes, workdir)
   log(f"training steps {start} -> {config.total_steps}, global batch {config.batch_size} "
       f"({config.grad_accum_steps} micro-batches, negatives over the {config.loss.negatives.replace('_', ' ')}), "
       f"gamma={config.loss.gamma}" + (f", token term weight {config.loss.token_weight}"
@@ -172,7 +173,9 @@ def main(argv):
           extra.update(diag_fn(state["params"], batch))
         if compare_fn is not None and step % config.diagnostics.every == 0:
           extra.update(compare_fn(state["params"], batch))
-        state, metrics = step_fn(state, batch)
+        with profiler.step(step):
+          state, metrics = step_fn(state, batch)
+        profiler.after(step, state)
         faults.maybe_kill("kill", step)
         faults.maybe_kill("kill_after_saves", step, before=ckpt.wait)
         stopping = stop.requested(step)
@@ -204,6 +207,7 @@ def main(argv):
       raise storage.StorageError(f"{e}; {ckpt.intact_note()}. Free space or fix the directory, then rerun the "
                                  "same command to resume") from e
   except BaseException:
+    profiler.stop()  # a run that fails inside the traced steps still leaves its trace
     ckpt.close(quiet=True)  # never let a library error while closing hide the one that ended the run
     writer.close(quiet=True)
     raise

@@ -64,6 +64,10 @@ def base_config() -> ml_collections.ConfigDict:
   # Saturation telemetry on every log step (one extra forward pass there); every `every` steps also the
   # parameter gradients of HN-CLIP vs plain InfoNCE on the same batch (two backward passes). 0 turns them off.
   c.diagnostics = ml_collections.ConfigDict({"log": True, "every": 0})
+  # A jax.profiler trace of train steps: steps "N" or "N:M" (first and last step, inclusive; "" = off), written to
+  # WORKDIR/tensorboard (TensorBoard's profile plugin; the .trace.json.gz opens in Perfetto); processes "first"
+  # (process 0 only) or "all" (process i > 0 into WORKDIR/tensorboard/process_i). See profile_steps.
+  c.profile = ml_collections.ConfigDict({"steps": "", "processes": "first"})
 
   c.grad_accum_steps = 1  # micro-batches per step, accumulated inside the jitted step
   # negatives: which batch Ḡ and the negatives span when grad_accum_steps > 1 ("micro_batch" | "global_batch").
@@ -298,6 +302,24 @@ def freeze(config) -> ml_collections.FrozenConfigDict:
   return ml_collections.FrozenConfigDict(config)
 
 
+def profile_steps(config) -> tuple[int, int] | None:
+  """(first, last) train step to trace from config.profile.steps ("N" or "N:M"), None when off; ValueError naming
+  the value otherwise."""
+  spec, where = str(config.profile.steps).strip(), f"config.profile.steps={config.profile.steps!r}"
+  if config.profile.processes not in ("first", "all"):
+    raise ValueError(f"config.profile.processes={config.profile.processes!r}; choose 'first' (process 0) or 'all'")
+  if not spec:
+    return None
+  try:
+    first, last = (int(x) for x in (spec.split(":") if ":" in spec else (spec, spec)))
+  except ValueError:
+    raise ValueError(f"{where}: give a step 'N' or a range 'N:M' (first and last step traced), or '' for no "
+                     "trace") from None
+  if not 1 <= first <= last <= int(config.total_steps):
+    raise ValueError(f"{where}: steps must lie in 1..config.total_steps={config.total_steps}, first <= last")
+  return first, last
+
+
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Raises ValueError naming the offending key/value and the fix; returns the config unchanged."""
   known, given = flatten(base_config()), flatten(config)
@@ -339,6 +361,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ValueError(f"config.checkpoint_overlap_steps={config.checkpoint_overlap_steps} does not apply: "
                      "config.async_checkpointing=False writes each checkpoint before training goes on. Drop one")
   check_benchmarks(config)
+  profile_steps(config)
   axes = [config.mesh[a] for a in ("data", "fsdp", "tensor")]
   if sum(a == -1 for a in axes) > 1 or any(a == 0 or a < -1 for a in axes):
     raise ValueError(f"config.mesh (data, fsdp, tensor) = {tuple(axes)}: sizes must be positive, "

@@ -1,6 +1,8 @@
-"""Metrics to the console, `metrics.jsonl` and TensorBoard event files (process 0 only)."""
+"""Metrics to the console, `metrics.jsonl` and TensorBoard event files (process 0 only); a profiler trace of chosen
+train steps (StepProfiler)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -134,3 +136,40 @@ def quiet_libraries() -> None:
   from absl import flags
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+
+
+class StepProfiler:
+  """A jax.profiler trace of train steps first..last (config.profile; None: off, and then nothing here calls the
+  profiler). Written to WORKDIR/tensorboard, where TensorBoard's profile plugin finds it next to the scalars
+  (plugins/profile/<time>/<host>.xplane.pb, and a .trace.json.gz that opens in Perfetto); with processes="all" each
+  process i > 0 writes to WORKDIR/tensorboard/process_i. Each traced step is a `train` step event with its number.
+  A resumed run traces the part of the range it runs."""
+
+  def __init__(self, steps: tuple[int, int] | None, processes: str, workdir: str):
+    self.first, self.last = steps or (0, -1)
+    index = jax.process_index()
+    self.active = steps is not None and (processes == "all" or index == 0)
+    self.dir = os.path.join(workdir, "tensorboard", *([f"process_{index}"] if index else []))
+    self.tracing = False
+
+  def step(self, step: int):
+    """Context for train step `step`: starts the trace at the range's first step run, annotates the step."""
+    if not self.active or not self.first <= step <= self.last:
+      return contextlib.nullcontext()
+    if not self.tracing:
+      jax.profiler.start_trace(self.dir)
+      self.tracing = True
+    return jax.profiler.StepTraceAnnotation("train", step_num=step)
+
+  def after(self, step: int, state) -> None:
+    """After train step `step`: at the range's last step, waits for the device work and writes the trace."""
+    if self.tracing and step >= self.last:
+      jax.block_until_ready(state)
+      self.stop()
+      log(f"profile of steps {self.first}-{self.last} written to {self.dir} (tensorboard --logdir "
+          f"{os.path.dirname(self.dir) if os.path.basename(self.dir).startswith('process_') else self.dir})")
+
+  def stop(self) -> None:
+    if self.tracing:
+      self.tracing = False
+      jax.profiler.stop_trace()
