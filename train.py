@@ -8,6 +8,7 @@ if __name__ == "__main__":  # first, before anything imports JAX: re-exec under 
 import dataclasses
 import json
 import os
+import time
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -28,12 +29,12 @@ def main(argv):
   import numpy as np
 
   import hnclip_jax
-  from hnclip_jax import (checkpoint, cli, config as config_lib, diagnostics, experiment, faults, frameworks, hostmem,
-                          optim, preemption, sharding, storage, train_step)
+  from hnclip_jax import (checkpoint, cli, config as config_lib, diagnostics, experiment, faults, frameworks, hlo,
+                          hostmem, optim, preemption, sharding, storage, train_step)
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.evaluation import embedding
   from hnclip_jax.evaluation.retrieval import NonFiniteEmbeddings
-  from hnclip_jax.metrics import MetricsWriter, Progress, StepProfiler, log, quiet_libraries
+  from hnclip_jax.metrics import MetricsWriter, Progress, StepProfiler, Throughput, log, quiet_libraries
   from hnclip_jax.models import init_params
   from hnclip_jax.workdir import Workdir, check_model_compatible, config_changes
 
@@ -154,6 +155,7 @@ def main(argv):
   stop = preemption.StopRequest()
   progress = Progress(start, config.total_steps)
   profiler = StepProfiler(config_lib.profile_steps(config), config.profile.processes, workdir)
+  throughput = Throughput(start, jax.devices()[0].device_kind)
   log(f"training steps {start} -> {config.total_steps}, global batch {config.batch_size} "
       f"({config.grad_accum_steps} micro-batches, negatives over the {config.loss.negatives.replace('_', ' ')}), "
       f"gamma={config.loss.gamma}" + (f", token term weight {config.loss.token_weight}"
@@ -163,7 +165,9 @@ def main(argv):
   try:
     try:
       for step in range(start + 1, config.total_steps + 1):
+        t_wait = time.perf_counter()
         batch = next(batches)
+        throughput.waited(time.perf_counter() - t_wait)
         if faults.poisoned(step):
           batch = dict(batch, image=batch["image"] * np.nan)
         batch = sharding.to_global(batch, mesh)
@@ -176,12 +180,15 @@ def main(argv):
         with profiler.step(step):
           state, metrics = step_fn(state, batch)
         profiler.after(step, state)
+        if throughput.flops is None:  # the program just run, from jit's cache: its matmul FLOPs per device
+          throughput.flops = hlo.matmul_flops(step_fn.lower(state, batch).compile().as_text())
         faults.maybe_kill("kill", step)
         faults.maybe_kill("kill_after_saves", step, before=ckpt.wait)
         stopping = stop.requested(step)
         ckpt.check(step)  # a failed background save stops the run now (<= checkpoint_overlap_steps later), naming it
         if logging_step or stopping or extra:
           scalars = {k: float(v) for k, v in jax.device_get({**metrics, **extra}).items()}
+          scalars.update(throughput.scalars(step))
           writer.write(step, scalars)
           log(progress.line(step, {k.removeprefix("diag/"): v for k, v in scalars.items()
                                    if not k.startswith("diag/") or k.endswith("saturated_frac")}))

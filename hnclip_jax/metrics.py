@@ -109,6 +109,45 @@ class MetricsWriter:
                                    f"({storage.describe(e)})") from e
 
 
+# Peak dense bf16 matmul FLOP/s of one chip, from the vendors' data sheets (Google Cloud TPU system architecture
+# pages; NVIDIA H100 / H200 / A100 data sheets, SXM parts, without sparsity), matched in this order against
+# jax.Device.device_kind ("TPU v5 lite" is v5e, "TPU v6 lite" v6e). MFU is reported against this peak whatever
+# config.dtype is, as MaxText does; a device not listed (CPU) gets no MFU.
+PEAK_FLOPS = (("TPU v6 lite", 918e12), ("TPU v5 lite", 197e12), ("TPU v5", 459e12), ("TPU v4", 275e12),
+              ("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """The chip's peak bf16 FLOP/s (PEAK_FLOPS), or None when unknown."""
+  return next((peak for name, peak in PEAK_FLOPS if name in device_kind), None)
+
+
+class Throughput:
+  """Per log interval, as scalars under perf/: the compiled step's matmul FLOPs per device (hlo.matmul_flops: every
+  loop iteration, remat's recomputation included), the achieved TFLOP/s per device, MFU against the chip's peak
+  (PEAK_FLOPS; left out where unknown) and the share of the interval's wall time spent waiting for the next batch.
+  Like steps/s, an interval includes the evaluations and checkpoint waits that fell in it."""
+
+  def __init__(self, start_step: int, device_kind: str):
+    self.peak, self.flops = peak_flops(device_kind), None
+    self._t, self._s, self._wait = time.perf_counter(), start_step, 0.0
+
+  def waited(self, seconds: float) -> None:
+    self._wait += seconds
+
+  def scalars(self, step: int) -> dict:
+    now = time.perf_counter()
+    dt, n = max(now - self._t, 1e-9), step - self._s
+    out = {"perf/input_wait_frac": self._wait / dt}
+    if self.flops is not None:
+      achieved = self.flops * n / dt
+      out.update({"perf/step_tflop_per_device": self.flops / 1e12, "perf/tflops_per_device": achieved / 1e12})
+      if self.peak is not None:
+        out["perf/mfu"] = achieved / self.peak
+    self._t, self._s, self._wait = now, step, 0.0
+    return out
+
+
 class Progress:
   """Steps/s and ETA between log lines."""
 

@@ -14,7 +14,7 @@ from flax import nnx
 from hnclip_jax import config as config_lib, optim, sharding, train_step
 from hnclip_jax.models import CLIPConfig, abstract_model, adapters, bind, init_params
 from hnclip_jax.models.clip import DoRALinear, LoRALinear
-from conftest import assert_error_exit, listing, run_py
+from conftest import assert_error_exit, listing, metrics_rows, run_py
 
 CFG = CLIPConfig(embed_dim=16, image_size=16, patch_size=8, vision_width=32, vision_layers=2, vision_heads=2,
                  vision_mlp_dim=48, text_context=8, vocab_size=64, text_width=32, text_layers=2, text_heads=2,
@@ -236,7 +236,7 @@ def test_adapter_workdir_load_merge_export_and_resume(tmp_path, tfds_dir):
   assert "(step 2)" in again.stdout
   resumed = pretrained.load(str(k))
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(model.params)))
-  assert open(k / "metrics.jsonl").read() == open(w / "metrics.jsonl").read()
+  assert metrics_rows(k) == metrics_rows(w)
   # Restored onto another mesh (8 devices, data 2 x fsdp 2 x tensor 2): eval gives the numbers the 1-device run
   # measured at its last step.
   run_py(["eval.py", *base, "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"], devices=8)

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from scipy.special import erf
 
-from conftest import assert_error_exit, run_py
+from conftest import assert_error_exit, metrics_rows, run_py
 from hnclip_jax import config as config_lib, experiment, losses, pretrained, sharding
 from hnclip_jax.evaluation.retrieval import recall_at_k, recall_from_scores
 from hnclip_jax.models import CLIPConfig, bind, init_params
@@ -370,8 +370,7 @@ FINELIP_RUN = ["--config.framework=finelip", "--config.finelip.tokens=4", "--con
 
 
 def _metrics(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
+  return metrics_rows(workdir)
 
 
 def _params(workdir):

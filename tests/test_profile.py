@@ -1,4 +1,6 @@
-"""config.profile: a jax.profiler trace of chosen train steps in WORKDIR/tensorboard, and no profiler at all when off."""
+"""Performance telemetry of train.py: config.profile (a jax.profiler trace of chosen train steps in
+WORKDIR/tensorboard, and no profiler at all when off) and the perf/ scalars of every log line (the compiled step's
+FLOPs per device against an analytic FLOP model, achieved TFLOP/s, MFU against the chip's peak, input wait)."""
 import glob
 import gzip
 import json
@@ -7,8 +9,10 @@ import os
 import jax
 import pytest
 
-from conftest import assert_error_exit, run_py
-from hnclip_jax import config as config_lib
+from benchmarks.common import clip_train_flops
+from conftest import assert_error_exit, metrics_rows, run_py
+from hnclip_jax import config as config_lib, metrics
+from hnclip_jax.models import CLIPConfig
 
 BASE = ["train.py", "--config", "configs/demo.py:test", "--config.eval_every=100", "--config.checkpoint_every=100"]
 
@@ -52,3 +56,45 @@ def test_a_profile_of_the_chosen_steps_is_written_and_off_starts_no_profiler(tmp
   assert_error_exit(run_py([*BASE, data, "--config.total_steps=2", "--config.profile.steps=2:4", "--workdir",
                             str(bad)], check=False), "config.profile.steps='2:4'")
   assert not bad.exists()
+
+
+def _token_term_flops(cfg, batch):
+  """The token term's matmuls per step on one device (benchmarks/tpu_flop_model.py): its B x B x P x L x E token
+  similarities 4 times (forward, recompute, two backward), and the per-token projections to E (forward + two
+  backward) of P patches and L text positions."""
+  patches = (cfg.image_size // cfg.patch_size) ** 2
+  return (4 * 2 * batch * batch * patches * cfg.text_context * cfg.embed_dim
+          + 3 * 2 * batch * (patches * cfg.vision_width + cfg.text_context * cfg.text_width) * cfg.embed_dim)
+
+
+@pytest.mark.parametrize("token_weight", [0, 1])
+def test_logged_step_flops_match_the_flop_model(tmp_path, tfds_dir, token_weight):
+  """perf/step_tflop_per_device (the compiled step's matmuls, hlo.matmul_flops) against the analytic count of the
+  towers (3 x forward), the loss matrices and, with λ = 1, the token term: within 5 % (the analytic count also
+  charges the input gradient of the first layers, which no step computes)."""
+  w = tmp_path / "w"
+  run_py([*BASE, f"--config.data.data_dir={tfds_dir}", "--config.total_steps=2", "--config.log_every=1",
+          f"--config.loss.token_weight={token_weight}", "--workdir", str(w)])
+  rows = [r for r in metrics_rows(w, timing=True) if "loss" in r]
+  assert [r["step"] for r in rows] == [1, 2]
+  cfg = CLIPConfig.from_dict(json.load(open(w / "model.json")))
+  want = clip_train_flops(cfg, 16) + (_token_term_flops(cfg, 16) if token_weight else 0)
+  for r in rows:
+    assert r["perf/step_tflop_per_device"] * 1e12 == pytest.approx(want, rel=0.05)
+    assert r["perf/tflops_per_device"] > 0 and 0 <= r["perf/input_wait_frac"] < 1
+    assert "perf/mfu" not in r  # CPU: no known peak, so no MFU
+  assert metrics_rows(w) == [{k: v for k, v in r.items() if not k.startswith("perf/")}
+                             for r in metrics_rows(w, timing=True)]
+
+
+def test_mfu_uses_the_chips_peak():
+  assert metrics.peak_flops("TPU v5 lite") == 197e12 and metrics.peak_flops("TPU v5") == 459e12
+  assert metrics.peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and metrics.peak_flops("cpu") is None
+  t = metrics.Throughput(10, "TPU v5 lite")
+  t.flops = 2e12
+  t._t -= 4.0  # 4 s for 20 steps: 10 TFLOP/s per chip
+  t.waited(1.0)
+  out = t.scalars(30)
+  assert out["perf/tflops_per_device"] == pytest.approx(10.0, rel=1e-3)
+  assert out["perf/mfu"] == pytest.approx(10e12 / 197e12, rel=1e-3)
+  assert out["perf/input_wait_frac"] == pytest.approx(0.25, rel=1e-3)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, _env, listing, run_py
+from conftest import ROOT, _env, listing, metrics_rows, run_py
 
 BASE = ["train.py", "--config", "configs/demo.py:test", "--config.total_steps=8", "--config.checkpoint_every=2",
         "--config.log_every=1", "--config.eval_every=100", "--config.max_to_keep=10"]
@@ -26,8 +26,7 @@ def train(workdir, tfds_dir, *extra, fault=None, devices=1, check=True):
 
 
 def metrics(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
+  return metrics_rows(workdir)
 
 
 def final_params(workdir):

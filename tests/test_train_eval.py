@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from conftest import ARTIFACTS, render, run_entry, run_py
+from conftest import ARTIFACTS, metrics_rows, render, run_entry, run_py
 
 # Config and path errors: their own xdist group (no trained workdir needed), part of the inner loop (-m quick).
 CONFIG_CHECKS = pytest.mark.xdist_group("test_train_eval.config")
@@ -14,8 +14,7 @@ CONFIG = "configs/demo.py:test"
 
 
 def _metrics(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
+  return metrics_rows(workdir)
 
 
 @pytest.fixture(scope="module")
