@@ -85,7 +85,9 @@ def final_recall(workdir):
 
 
 def mean_std(workdirs) -> dict:
-  """{"t2i/R@1": [mean, std], ...} of the final recalls of runs that differ only in the seed."""
+  """{"t2i/R@1": [mean, std], ...} of the final recalls of runs that differ only in the seed. std is the population
+  standard deviation (ddof = 0, NumPy's default; every results*.json so far holds it), a spread to read, not an
+  inference: the paired intervals (`paired`) use the sample deviation (ddof = 1) with Student's t."""
   recs = [final_recall(w) for w in workdirs]
   return {k: [float(np.mean([r[k] for r in recs])), float(np.std([r[k] for r in recs]))] for k in recs[0]}
 
@@ -465,7 +467,9 @@ def main():
     json.dump(results, f, indent=2)
   os.replace(report_file + ".tmp", report_file)
 
-  lines = ["| γ | t2i R@1 | t2i R@5 | t2i R@10 | i2t R@1 | i2t R@5 | i2t R@10 |", "|---|---|---|---|---|---|---|"]
+  lines = ["Mean ± population standard deviation (ddof = 0) over seeds; the paired differences' 95 % intervals use the "
+           "sample deviation (ddof = 1).", "",
+           "| γ | t2i R@1 | t2i R@5 | t2i R@10 | i2t R@1 | i2t R@5 | i2t R@10 |", "|---|---|---|---|---|---|---|"]
   pr = results["pretrain"]
   lines.append(f"| pre-trained (γ=0){', its own test split' if mid else ''} | " + " | ".join(f"{pr[f'{d}/R@{k}']:.2f}" for d in ("t2i", "i2t")
                                                     for k in (1, 5, 10)) + " |")

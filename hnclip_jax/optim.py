@@ -160,7 +160,10 @@ def trained_params(opt_state) -> list:
 
 def clamp_logit_scale(params: dict, upper: float = LOGIT_SCALE_PARAM_MAX) -> dict:
   """The logit-scale parameter clipped to [0, upper] (OpenAI / open_clip: ln 100, after the update, not in the
-  forward; a framework may set its own)."""
+  forward; a framework may set its own); upper = inf: not clamped at all, neither bound (the sigmoid loss's t,
+  as big_vision leaves it)."""
+  if math.isinf(upper):
+    return params
   return {**params, SCALE_PARAM: jnp.clip(params[SCALE_PARAM], 0.0, upper)}
 
 

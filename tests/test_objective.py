@@ -131,6 +131,13 @@ def test_sigmoid_loss_needs_a_logit_bias_and_valid_settings():
     config_lib.validate(c)
   assert optim.logit_scale_max(c) == float("inf") and optim.logit_scale_max(config_lib.base_config()) == \
       LOGIT_SCALE_PARAM_MAX
+  # The sigmoid loss's t is not clamped at all (docs/objective.md): log t may go below 0 and above ln 100, while
+  # the softmax loss's parameter is kept in [0, ln 100].
+  for value in (-0.5, 7.0):
+    p = {"logit_scale": jnp.float32(value)}
+    assert float(optim.clamp_logit_scale(p, optim.logit_scale_max(c))["logit_scale"]) == value
+    assert float(optim.clamp_logit_scale(p, LOGIT_SCALE_PARAM_MAX)["logit_scale"]) == pytest.approx(
+        min(max(value, 0.0), LOGIT_SCALE_PARAM_MAX))
 
 
 def test_token_term_options_match_numpy():
