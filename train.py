@@ -154,7 +154,7 @@ def main(argv):
   # ---- Training loop ---------------------------------------------------------
   stop = preemption.StopRequest()
   progress = Progress(start, config.total_steps)
-  profiler = StepProfiler(config_lib.profile_steps(config), config.profile.processes, workdir)
+  profiler = StepProfiler(config_lib.profile_steps(config), config.profile.processes, workdir, start)
   throughput = Throughput(start, jax.devices()[0].device_kind)
   log(f"training steps {start} -> {config.total_steps}, global batch {config.batch_size} "
       f"({config.grad_accum_steps} micro-batches, negatives over the {config.loss.negatives.replace('_', ' ')}), "

@@ -182,33 +182,49 @@ class StepProfiler:
   profiler). Written to WORKDIR/tensorboard, where TensorBoard's profile plugin finds it next to the scalars
   (plugins/profile/<time>/<host>.xplane.pb, and a .trace.json.gz that opens in Perfetto); with processes="all" each
   process i > 0 writes to WORKDIR/tensorboard/process_i. Each traced step is a `train` step event with its number.
-  A resumed run traces the part of the range it runs."""
+  A resumed run traces the part of the range it runs, and says so; a trace that cannot be written stops the run
+  with one StorageError line naming the directory."""
 
-  def __init__(self, steps: tuple[int, int] | None, processes: str, workdir: str):
+  def __init__(self, steps: tuple[int, int] | None, processes: str, workdir: str, start_step: int = 0):
     self.first, self.last = steps or (0, -1)
     index = jax.process_index()
-    self.active = steps is not None and (processes == "all" or index == 0)
-    self.dir = os.path.join(workdir, "tensorboard", *([f"process_{index}"] if index else []))
-    self.tracing = False
+    self.active = steps is not None and (processes == "all" or index == 0) and self.last > start_step
+    self.root = os.path.join(workdir, "tensorboard")
+    self.dir = os.path.join(self.root, *([f"process_{index}"] if index else []))
+    self.tracing, self._from = False, None
+    if steps is not None and self.first <= start_step:
+      log(f"config.profile.steps={self.first}:{self.last}: this run starts after step {start_step}, so "
+          + (f"only steps {start_step + 1}-{self.last} are traced" if self.active else "no step is traced"))
 
   def step(self, step: int):
     """Context for train step `step`: starts the trace at the range's first step run, annotates the step."""
     if not self.active or not self.first <= step <= self.last:
       return contextlib.nullcontext()
     if not self.tracing:
-      jax.profiler.start_trace(self.dir)
-      self.tracing = True
+      self._call(jax.profiler.start_trace, self.dir)
+      self.tracing, self._from = True, step
     return jax.profiler.StepTraceAnnotation("train", step_num=step)
 
   def after(self, step: int, state) -> None:
     """After train step `step`: at the range's last step, waits for the device work and writes the trace."""
     if self.tracing and step >= self.last:
       jax.block_until_ready(state)
-      self.stop()
-      log(f"profile of steps {self.first}-{self.last} written to {self.dir} (tensorboard --logdir "
-          f"{os.path.dirname(self.dir) if os.path.basename(self.dir).startswith('process_') else self.dir})")
+      self.tracing = False
+      self._call(jax.profiler.stop_trace)
+      log(f"profile of steps {self._from}-{step} written to {self.dir} (tensorboard --logdir {self.root})")
 
   def stop(self) -> None:
+    """On the way out of a failed run: writes what was traced, never raising over the error that ended it."""
     if self.tracing:
       self.tracing = False
-      jax.profiler.stop_trace()
+      try:
+        jax.profiler.stop_trace()
+      except Exception:  # noqa: BLE001
+        pass
+
+  def _call(self, fn, *args) -> None:
+    try:
+      fn(*args)
+    except Exception as e:  # noqa: BLE001  (the profiler raises JaxRuntimeError for a path it cannot write)
+      raise storage.StorageError(f"writing the profile (config.profile.steps={self.first}:{self.last}) to "
+                                 f"{self.dir} failed ({storage.describe(e)})") from e

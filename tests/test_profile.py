@@ -9,7 +9,7 @@ import os
 import jax
 import pytest
 
-from benchmarks.common import clip_train_flops
+from benchmarks.common import clip_train_flops, token_term_forward_flops
 from conftest import assert_error_exit, metrics_rows, run_py
 from hnclip_jax import config as config_lib, metrics
 from hnclip_jax.models import CLIPConfig
@@ -47,10 +47,24 @@ def test_a_profile_of_the_chosen_steps_is_written_and_off_starts_no_profiler(tmp
   steps = sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train" and e.get("ph") == "X")
   assert steps == [2, 3]  # the chosen steps, each once, and not step 1
   # Off (the default): the profiler is never started (a call would fail the run here) and nothing is written.
+  real_start = jax.profiler.start_trace
   monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
   off = tmp_path / "off"
   run_py([*BASE, data, "--config.total_steps=2", "--workdir", str(off)])
   assert not (off / "tensorboard" / "plugins").exists()
+  monkeypatch.setattr(jax.profiler, "start_trace", real_start)
+  # A resume past the start of the range traces what it runs, and says so.
+  proc = run_py([*BASE, data, "--config.total_steps=3", "--config.profile.steps=1:3", "--workdir", str(off)])
+  assert "config.profile.steps=1:3: this run starts after step 2, so only steps 3-3 are traced" in proc.stdout
+  assert f"profile of steps 3-3 written to {off}/tensorboard" in proc.stdout
+  # A trace that cannot be written (here plugins/ is a file) ends the run with one line, naming the directory.
+  broken = tmp_path / "broken"
+  (broken / "tensorboard").mkdir(parents=True)
+  (broken / "tensorboard" / "plugins").write_text("not a directory")
+  err = assert_error_exit(run_py([*BASE, data, "--config.total_steps=2", "--config.profile.steps=2",
+                                  "--workdir", str(broken)], check=False),
+                          f"writing the profile (config.profile.steps=2:2) to {broken}/tensorboard failed")
+  assert "rerun the same command" in err
   # A range past total_steps is refused before anything is written.
   bad = tmp_path / "bad"
   assert_error_exit(run_py([*BASE, data, "--config.total_steps=2", "--config.profile.steps=2:4", "--workdir",
@@ -63,7 +77,7 @@ def _token_term_flops(cfg, batch):
   similarities 4 times (forward, recompute, two backward), and the per-token projections to E (forward + two
   backward) of P patches and L text positions."""
   patches = (cfg.image_size // cfg.patch_size) ** 2
-  return (4 * 2 * batch * batch * patches * cfg.text_context * cfg.embed_dim
+  return (4 * token_term_forward_flops(batch, patches, cfg.text_context, cfg.embed_dim)
           + 3 * 2 * batch * (patches * cfg.vision_width + cfg.text_context * cfg.text_width) * cfg.embed_dim)
 
 
