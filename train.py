@@ -58,7 +58,7 @@ def main(argv):
   sharding.check_batch_size(config.eval_batch_size, mesh, "config.eval_batch_size")
   train_step.check_accumulation(config, mesh)
   log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, "
-      f"{jax.process_count()} process(es)")
+      f"{jax.process_count()} process(es){sharding.describe_dcn(mesh, config.mesh)}")
   if jax.devices()[0].platform == "cpu":
     log(hostmem.cpu_allocator_note())
 
@@ -118,7 +118,7 @@ def main(argv):
   writer.truncate_after(start)
   batches = iter(pipeline.train_dataset(
       train_source, tokenizer, image_size=model_cfg.image_size, global_batch=config.batch_size, seed=config.seed,
-      start_step=start, process_index=jax.process_index(), process_count=jax.process_count(),
+      start_step=start, rows=sharding.process_rows(mesh, config.batch_size),
       workers=config.workers, extra_inputs=None if make_inputs is None else make_inputs(config, model_cfg, tokenizer),
       family=model_cfg.family))
 

@@ -149,7 +149,13 @@ def base_config() -> ml_collections.ConfigDict:
                                       "best_metric": "average/R@1"})
   # Device mesh: axis sizes; one may be -1 (= all remaining devices). The batch is split over data × fsdp.
   # rules: logical parameter axis -> mesh axis (see hnclip_jax/sharding.py).
+  # dcn: the part of each axis that crosses the slow network (data-center network between TPU slices; the network
+  # between GPU / CPU hosts, one process each). All 1 (default): every device is on one fast network and data /
+  # fsdp / tensor span all of them. Otherwise data / fsdp / tensor are the sizes inside one slice (host) and each
+  # mesh axis is ici × dcn, e.g. dcn.data=2 on two v5e-256 slices: data parallelism between the slices, whatever
+  # layout inside each (docs/sharding.md "Beyond one slice or host"). One dcn size may be -1 (= all the slices).
   c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1,
+                                      "dcn": ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1}),
                                       "rules": "embed=fsdp,heads=tensor,mlp=tensor,vocab=tensor"})
   return c
 
@@ -366,4 +372,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if sum(a == -1 for a in axes) > 1 or any(a == 0 or a < -1 for a in axes):
     raise ValueError(f"config.mesh (data, fsdp, tensor) = {tuple(axes)}: sizes must be positive, "
                      "with at most one -1 (= fill with the remaining devices)")
+  dcn = [config.mesh.get("dcn", {}).get(a, 1) for a in ("data", "fsdp", "tensor")]
+  if sum(a == -1 for a in dcn) > 1 or any(a == 0 or a < -1 for a in dcn):
+    raise ValueError(f"config.mesh.dcn (data, fsdp, tensor) = {tuple(dcn)}: sizes must be positive, "
+                     "with at most one -1 (= fill with the remaining slices or hosts)")
   return config

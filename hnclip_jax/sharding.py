@@ -12,6 +12,8 @@ import math
 import re
 
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -69,27 +71,103 @@ def constrain_batch(x):
   return jax.lax.with_sharding_constraint(x, P(batch, *([None] * (x.ndim - 1))))
 
 
-def mesh_shape(mesh_config, num_devices: int) -> tuple[int, int, int]:
+def mesh_shape(mesh_config, num_devices: int, name: str = "config.mesh",
+               what: str = "devices") -> tuple[int, int, int]:
   """Resolves config.mesh (one axis may be -1) against the device count; raises naming the sizes."""
   sizes = [int(mesh_config[a]) for a in MESH_AXES]
   if -1 in sizes:
     rest = math.prod(s for s in sizes if s != -1)
     if num_devices % rest:
-      raise ValueError(f"config.mesh {dict(zip(MESH_AXES, sizes))}: the fixed axes multiply to {rest}, "
-                       f"which does not divide the {num_devices} devices")
+      raise ValueError(f"{name} {dict(zip(MESH_AXES, sizes))}: the fixed axes multiply to {rest}, "
+                       f"which does not divide the {num_devices} {what}")
     sizes[sizes.index(-1)] = num_devices // rest
   if math.prod(sizes) != num_devices:
-    raise ValueError(f"config.mesh {dict(zip(MESH_AXES, sizes))} multiplies to {math.prod(sizes)} but there are "
-                     f"{num_devices} devices; make the product equal the device count or set one axis to -1")
+    raise ValueError(f"{name} {dict(zip(MESH_AXES, sizes))} multiplies to {math.prod(sizes)} but there are "
+                     f"{num_devices} {what}; make the product {num_devices} or set one axis to -1")
   return tuple(sizes)
 
 
+def dcn_sizes(mesh_config) -> tuple[int, int, int]:
+  """config.mesh.dcn's (data, fsdp, tensor) sizes; (1, 1, 1) when absent (one fast network)."""
+  dcn = mesh_config.get("dcn", None) if hasattr(mesh_config, "get") else None
+  return tuple(int(dcn[a]) for a in MESH_AXES) if dcn is not None else (1, 1, 1)
+
+
+def granules(devices) -> tuple[str, list]:
+  """The groups of devices joined only by the slow network: TPU slices (devices of a multi-slice job carry
+  `slice_index`), otherwise processes (one per host on GPU and CPU). -> (kind, [[devices of granule 0], ...])."""
+  if all(getattr(d, "slice_index", None) is not None for d in devices) and devices[0].platform == "tpu":
+    kind, key = "slice", lambda d: d.slice_index
+  else:
+    kind, key = "process", lambda d: d.process_index
+  groups = {}
+  for d in devices:
+    groups.setdefault(key(d), []).append(d)
+  return kind, [groups[k] for k in sorted(groups)]
+
+
 def make_mesh(mesh_config, devices=None) -> Mesh:
-  """The (data, fsdp, tensor) mesh of config.mesh over `devices` (default: all), in a topology-aware device order
-  (`jax.make_mesh`: on TPU, neighbouring chips along the inner axes), with Auto axis types."""
+  """The (data, fsdp, tensor) mesh of config.mesh over `devices` (default: all), with Auto axis types.
+
+  With config.mesh.dcn all 1 (the default) every device is on one fast network: `jax.make_mesh` orders them
+  topology-aware (on TPU, neighbouring chips along the inner axes). Otherwise the mesh is hybrid: config.mesh.data /
+  fsdp / tensor are the sizes inside one granule (a TPU slice, or a process = a host on GPU / CPU), config.mesh.dcn
+  the sizes across granules, each mesh axis their product with the DCN part outermost
+  (`mesh_utils.create_hybrid_device_mesh`), so only collectives along an axis with a DCN size > 1 leave a granule.
+  """
   devices = jax.devices() if devices is None else list(devices)
-  shape = mesh_shape(mesh_config, len(devices))
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+  dcn = dcn_sizes(mesh_config)
+  types = (AxisType.Auto,) * len(MESH_AXES)
+  if all(s == 1 for s in dcn):
+    shape = mesh_shape(mesh_config, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+  kind, groups = granules(devices)
+  plural = "processes" if kind == "process" else "slices"
+  if len(groups) == 1:
+    raise ValueError(f"config.mesh.dcn {dict(zip(MESH_AXES, dcn))} puts mesh axes across {plural}, but all "
+                     f"{len(devices)} devices are in one {kind}: there is no slow network to cross. Set "
+                     "config.mesh.dcn.data/fsdp/tensor to 1")
+  sizes = {len(g) for g in groups}
+  if len(sizes) > 1:
+    raise ValueError(f"the {len(groups)} {plural} hold different numbers of devices ({sorted(sizes)}); a hybrid "
+                     "mesh (config.mesh.dcn) needs the same number in each")
+  dcn = mesh_shape(mesh_config["dcn"], len(groups), "config.mesh.dcn", plural)
+  ici = mesh_shape(mesh_config, len(groups[0]), "config.mesh (sizes inside one " + kind + ")", f"devices per {kind}")
+  ordered = [d for g in groups for d in g]
+  grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, ordered, process_is_granule=kind == "process")
+  return Mesh(grid, MESH_AXES, axis_types=types)
+
+
+def describe_dcn(mesh: Mesh, mesh_config) -> str:
+  """'' on a one-network mesh; else e.g. '; across 2 processes (the slow network): data ×2' for the log."""
+  if all(s == 1 for s in dcn_sizes(mesh_config)):
+    return ""
+  kind, groups = granules(list(mesh.devices.flat))
+  plural = "processes" if kind == "process" else "slices"
+  dcn = mesh_shape(mesh_config["dcn"], len(groups), "config.mesh.dcn", plural)
+  return f"; across {len(groups)} {plural} (the slow network): " + ", ".join(
+      f"{a} ×{s}" for a, s in zip(MESH_AXES, dcn) if s != 1)
+
+
+def granule_of(mesh: Mesh) -> list:
+  """For each device of `mesh` in flat (partition-id) order, the index of its granule (slice or process)."""
+  flat = list(mesh.devices.flat)
+  kind, groups = granules(flat)
+  index = {d.id: i for i, g in enumerate(groups) for d in g}
+  return [index[d.id] for d in flat]
+
+
+def process_rows(mesh: Mesh, n: int, process: int | None = None) -> np.ndarray:
+  """The rows of a batch of `n` (split over the batch axes, `batch_sharding`) that `process`'s devices (default:
+  this process's) hold, ascending: what that process reads so that `jax.make_array_from_process_local_data` builds
+  the global batch. On a flat mesh, process p's contiguous n / processes rows; on a hybrid mesh with the fsdp or
+  tensor axis across processes, a strided or the whole batch."""
+  process = jax.process_index() if process is None else process
+  rows = set()
+  for device, index in batch_sharding(mesh).devices_indices_map((n,)).items():
+    if device.process_index == process:
+      rows.update(range(*index[0].indices(n)))
+  return np.array(sorted(rows), np.int64)
 
 
 def parse_rules(rules: str) -> dict:

@@ -206,6 +206,11 @@ def test_process_shards_are_disjoint_and_form_the_global_batch(data_cfg, tokeniz
     assert len(parts[0][k]) == 8 and not set(parts[0][k]) & set(parts[1][k])
     # The global batch does not depend on how many processes read it.
     np.testing.assert_array_equal(np.concatenate([parts[0][k], parts[1][k]]), single[k])
+  # Any rows of the global batch (sharding.process_rows on a hybrid mesh: strided, or all of them).
+  rows = np.array([1, 2, 9, 15])
+  strided = [b["index"] for b in _take(iter(pipeline.train_dataset(src, tokenizer, rows=rows, **kw)), 4)]
+  for k in range(4):
+    np.testing.assert_array_equal(strided[k], single[k][rows])
 
 
 def test_eval_batches_pad_and_mask(data_cfg, tokenizer):
@@ -215,16 +220,20 @@ def test_eval_batches_pad_and_mask(data_cfg, tokenizer):
   assert not batches[-1]["image"][4:].any()  # zero padding
   ids = np.concatenate([b["index"][b["mask"]] for b in batches])
   assert sorted(ids.tolist()) == list(range(20))
-  # Three processes over 20 pairs (7, 7, 6): the same number of batches each, every pair exactly once.
-  shares = [list(pipeline.eval_image_batches(src, image_size=32, batch_size=4, process_index=p, process_count=3))
+  # Three processes, each holding 4 positions of a global batch of 12, over 20 pairs: the same number of batches
+  # each (2), every pair exactly once; the last process's share of the second batch is all padding.
+  shares = [list(pipeline.eval_image_batches(src, image_size=32, batch_size=12, positions=np.arange(4 * p, 4 * p + 4)))
             for p in range(3)]
-  assert [len(s) for s in shares] == [2, 2, 2]
+  assert [len(s) for s in shares] == [2, 2, 2] and [b["mask"].sum() for b in shares[2]] == [4, 0]
   ids = np.concatenate([b["index"][b["mask"]] for s in shares for b in s])
   assert sorted(ids.tolist()) == list(range(20))
+  # A strided layout (a process holding positions 1 and 3 of 4, e.g. fsdp across hosts): the rows at those places.
+  strided = list(pipeline.eval_image_batches(src, image_size=32, batch_size=4, positions=[1, 3]))
+  assert [b["index"].tolist() for b in strided] == [[4 * k + 1, 4 * k + 3] for k in range(5)]
   captions = pipeline.read_captions(src)
-  text = [list(pipeline.eval_text_batches(captions[:5], tokenizer, batch_size=4, process_index=p, process_count=2))
+  text = [list(pipeline.eval_text_batches(captions[:5], tokenizer, batch_size=8, positions=np.arange(4 * p, 4 * p + 4)))
           for p in range(2)]
-  assert [len(t) for t in text] == [1, 1]  # 3 and 2 captions: one padded batch each
+  assert [len(t) for t in text] == [1, 1]  # 4 and 1 captions: one padded batch each
   for t in text:
     b = t[0]
     np.testing.assert_array_equal(b["tokens"][b["mask"]], tokenizer([captions[i] for i in b["index"][b["mask"]]]))

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import collect_processes, run_processes, run_py, start_processes
+from conftest import CACHE, collect_processes, metrics_rows, run_processes, run_py, start_processes
 
 COMMON = ["--config", "configs/demo.py:test", "--config.total_steps=3", "--config.log_every=1",
           "--config.eval_every=3", "--config.checkpoint_every=3", "--config.data.num_test=41"]
@@ -88,3 +88,41 @@ def test_sigterm_on_one_process_stops_all_at_the_same_step(tmp_path, tfds_dir, s
   assert checkpoints == [stopped]
   with open(path) as f:
     assert json.loads(f.readlines()[-1])["step"] == stopped
+
+
+HYBRID = ["--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.mesh.dcn.data=2"]
+
+
+def test_hybrid_mesh_trains_like_one_device_and_resumes_bit_identically(tmp_path, tfds_dir, reference):
+  """Two processes (the slow network's granules) × 4 devices, data parallelism across them (config.mesh.dcn.data=2)
+  and fsdp × tensor inside each: the losses and the in-training eval of one device; killed on both processes after
+  step 3 (steps 1 and 2 checkpointed), a plain rerun ends with the metrics of the uninterrupted run, bit for bit."""
+  args = [*COMMON, f"--config.data.data_dir={tfds_dir}", "--config.checkpoint_every=1", *HYBRID]
+  straight = str(tmp_path / "straight")
+  outs = run_processes(["train.py", *args, "--workdir", straight], num_processes=2, devices_per_process=4)
+  assert ("mesh {'data': 2, 'fsdp': 2, 'tensor': 2} on 8 cpu devices, 2 process(es); across 2 processes (the slow "
+          "network): data ×2") in outs[0][0]
+  _assert_same(straight, reference)
+  killed = str(tmp_path / "killed")
+  procs = start_processes(["train.py", *args, "--workdir", killed], num_processes=2, devices_per_process=4,
+                          env_extra={"HNCLIP_FAULT": "kill_after_saves@3"})
+  for p in procs:
+    p.communicate(timeout=600)
+  assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
+  assert sorted(int(d) for d in os.listdir(os.path.join(killed, "checkpoints")) if d.isdigit())[-1] == 2
+  outs = run_processes(["train.py", *args, "--workdir", killed], num_processes=2, devices_per_process=4)
+  assert "checkpoints/2 (step 2)" in outs[0][0], outs[0][0][-2000:]
+  assert metrics_rows(killed) == metrics_rows(straight)
+
+
+def test_hybrid_mesh_gradients_equal_one_device():
+  """tests/hybrid_checks.py on 2 processes × 4 devices: L_HN with the data, fsdp or tensor axis across the
+  processes; accumulation with row chunks; the token term under both schedules; HN-SigLIP under both schedules;
+  FineLIP's terms; DoRA with the token term — loss and every parameter gradient equal one device's (≤ 1e-5)."""
+  args = ["tests/hybrid_checks.py"]
+  outs = collect_processes(start_processes(args, num_processes=2, devices_per_process=4,
+                                           env_extra={"HNCLIP_TEST_XLA_CACHE": CACHE}), args)
+  result = json.loads(outs[0][0].split("RESULT ", 1)[1])
+  assert len(result) == 11
+  for name, r in result.items():
+    assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (name, r)

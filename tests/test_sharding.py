@@ -1,10 +1,11 @@
 """Mesh layouts on 8 fake CPU devices: loss and gradients equal the single-device ones; memory stays per-row."""
 import json
+import types
 
 import ml_collections
 import pytest
 
-from hnclip_jax import sharding
+from hnclip_jax import config as config_lib, sharding
 from conftest import CACHE, run_py
 
 
@@ -238,6 +239,38 @@ def test_mesh_shape_resolution_and_errors():
     sharding.mesh_shape(cfg(-1, 3, 1), 8)
   with pytest.raises(ValueError, match="'embed' to 'model'"):
     sharding.parse_rules("embed=model")
+
+
+def test_hybrid_mesh_granules_and_errors():
+  """config.mesh.dcn: the slow network's granules are TPU slices (devices with slice_index) or else processes; a DCN
+  axis needs more than one granule, equal granules, and sizes that multiply to their count. (Meshes that span real
+  processes: tests/test_multihost.py.)"""
+  dev = lambda i, proc, sl=None, platform="cpu": types.SimpleNamespace(  # noqa: E731
+      id=i, process_index=proc, platform=platform, **({} if sl is None else {"slice_index": sl}))
+  cfg = lambda dcn, ici=(1, 2, 2): ml_collections.ConfigDict(  # noqa: E731
+      {**dict(zip(sharding.MESH_AXES, ici)), "dcn": dict(zip(sharding.MESH_AXES, dcn))})
+  tpu = [dev(i, i // 2, i // 4, "tpu") for i in range(8)]  # 2 slices of 2 hosts each
+  kind, groups = sharding.granules(tpu)
+  assert kind == "slice" and [[d.id for d in g] for g in groups] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  kind, groups = sharding.granules([dev(i, i // 4) for i in range(8)])
+  assert kind == "process" and len(groups) == 2
+  one = [dev(i, 0) for i in range(8)]
+  with pytest.raises(ValueError, match=r"all 8 devices are in one process: there is no slow network to cross"):
+    sharding.make_mesh(cfg((2, 1, 1)), one)
+  with pytest.raises(ValueError, match=r"all 8 devices are in one slice"):
+    sharding.make_mesh(cfg((2, 1, 1)), [dev(i, i // 4, 0, "tpu") for i in range(8)])
+  with pytest.raises(ValueError, match=r"config.mesh.dcn \{'data': 4, 'fsdp': 1, 'tensor': 1\} multiplies to 4 "
+                                       r"but there are 2 processes"):
+    sharding.make_mesh(cfg((4, 1, 1)), [dev(i, i // 4) for i in range(8)])
+  with pytest.raises(ValueError, match=r"config.mesh \(sizes inside one process\) .* multiplies to 2 but there are "
+                                       r"4 devices per process"):
+    sharding.make_mesh(cfg((2, 1, 1), (1, 2, 1)), [dev(i, i // 4) for i in range(8)])
+  with pytest.raises(ValueError, match=r"hold different numbers of devices \(\[3, 5\]\)"):
+    sharding.make_mesh(cfg((2, 1, 1)), [dev(i, int(i >= 3)) for i in range(8)])
+  with pytest.raises(ValueError, match=r"config.mesh.dcn \(data, fsdp, tensor\) = \(0, 1, 1\)"):
+    config = config_lib.base_config()
+    config.mesh.dcn.data = 0
+    config_lib.validate(config)
 
 
 @pytest.mark.parametrize("override,message", [

@@ -112,7 +112,7 @@ class _LoadRows(grain.transforms.MapWithIndex):
   with several captions contributes the one `caption_choice` picks for this step; with `extra`, also a framework's
   per-example inputs."""
 
-  def __init__(self, source, tokenizer, image_size, rows: slice, seed: int, extra=None, family="clip"):
+  def __init__(self, source, tokenizer, image_size, rows, seed: int, extra=None, family="clip"):
     self.source, self.rows, self.seed = source, rows, seed
     self.pre = _Preprocess(tokenizer, image_size, extra, family)
 
@@ -129,9 +129,11 @@ class _LoadRows(grain.transforms.MapWithIndex):
 
 
 def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed: int, start_step: int = 0,
-                  process_index: int = 0, process_count: int = 1, workers: int = 0, prefetch: int = 4,
+                  process_index: int = 0, process_count: int = 1, rows=None, workers: int = 0, prefetch: int = 4,
                   extra_inputs=None, family: str = "clip"):
-  """Infinite iterator of this process's batches: image f32 [b,H,W,3], tokens int32 [b,L], b = global_batch / processes.
+  """Infinite iterator of this process's batches: image f32 [b,H,W,3], tokens int32 [b,L]: the rows of each global
+  batch that this process's devices hold (`rows`, from `sharding.process_rows`), or without `rows` the
+  process_index-th of process_count equal contiguous parts (b = global_batch / processes).
 
   The global batch order is shuffled per epoch from `seed` and does not depend on
   the number of processes: batch k is the same set of examples whether 1 or 64
@@ -143,13 +145,16 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
   to each row (hnclip_jax.frameworks: `inputs`); a pure function of its arguments keeps resumes bit-identical.
   family: the model family whose image preprocessing applies ("clip" or "siglip": `clip_preprocess`).
   """
-  if global_batch % process_count:
-    raise ValueError(f"config.batch_size={global_batch} is not divisible by the {process_count} processes")
-  local = global_batch // process_count
   if len(source) < global_batch:
     raise ValueError(f"the training split has {len(source)} examples, fewer than one batch ({global_batch}); "
                      "lower config.batch_size")
-  rows = slice(process_index * local, (process_index + 1) * local)
+  if rows is None:
+    if global_batch % process_count:
+      raise ValueError(f"config.batch_size={global_batch} is not divisible by the {process_count} processes")
+    local = global_batch // process_count
+    rows = slice(process_index * local, (process_index + 1) * local)
+  else:
+    rows = np.asarray(rows, np.int64)
   ds = (grain.MapDataset.range(len(source)).shuffle(seed=seed).batch(global_batch, drop_remainder=True)
         .repeat().map_with_index(_LoadRows(source, tokenizer, image_size, rows, seed, extra_inputs, family))[start_step:])
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, prefetch), prefetch_buffer_size=prefetch))
@@ -158,35 +163,38 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
   return it
 
 
-def _padded_batches(n_total: int, load, batch_size: int, process_index: int, process_count: int):
-  """This process's share of rows 0..n_total-1 (every process_count-th), `load(rows) -> {name: [m, ...]}` per
-  batch, zero-padded to `batch_size` with mask=False. Every process yields the same number of batches
-  (ceil(ceil(N / processes) / batch_size)), so collective operations line up even when N is not divisible."""
-  num_batches = -(-(-(-n_total // process_count)) // batch_size)
-  mine = np.arange(process_index, n_total, process_count)
+def _padded_batches(n_total: int, load, batch_size: int, positions=None):
+  """Rows 0..n_total-1 in global batches of `batch_size` (batch b holds rows b·batch_size + j), of which this
+  process reads the positions j in `positions` (default: all; `sharding.process_rows` gives a process's):
+  `load(rows) -> {name: [m, ...]}` per batch, zero-padded past the last row with mask=False and index -1. Every
+  process yields the same number of batches (ceil(N / batch_size)), so collective operations line up when N does
+  not divide."""
+  positions = np.arange(batch_size) if positions is None else np.asarray(positions, np.int64)
+  num_batches = -(-n_total // batch_size)
   template = load(np.arange(min(1, n_total)))
   for b in range(num_batches):
-    idx = mine[b * batch_size:(b + 1) * batch_size]
-    pad = batch_size - len(idx)
-    got = load(idx) if len(idx) else {k: v[:0] for k, v in template.items()}
+    idx = b * batch_size + positions
+    valid = idx < n_total
+    got = load(idx[valid]) if valid.any() else {k: v[:0] for k, v in template.items()}
+    pad = len(idx) - int(valid.sum())
     batch = {k: np.concatenate([v, np.zeros((pad, *template[k].shape[1:]), template[k].dtype)]) for k, v in got.items()}
-    batch["index"] = np.concatenate([idx, -np.ones(pad, np.int64)]).astype(np.int64)
-    batch["mask"] = np.arange(batch_size) < len(idx)
+    batch["index"] = np.where(valid, idx, -1).astype(np.int64)
+    batch["mask"] = valid
     yield batch
 
 
-def eval_image_batches(source, *, image_size: int, batch_size: int, process_index: int = 0, process_count: int = 1,
-                       family: str = "clip"):
-  """This process's share of the images of `source`: {"image" f32 [B,H,W,3], "index" (row in source), "mask"}."""
+def eval_image_batches(source, *, image_size: int, batch_size: int, positions=None, family: str = "clip"):
+  """This process's share of the images of `source` (see `_padded_batches`): {"image" f32 [b,H,W,3], "index" (row
+  in source), "mask"}."""
   load = lambda rows: {"image": np.stack([clip_preprocess(source[int(i)]["image"], image_size, family)  # noqa: E731
                                           for i in rows])}
-  return _padded_batches(len(source), load, batch_size, process_index, process_count)
+  return _padded_batches(len(source), load, batch_size, positions)
 
 
-def eval_text_batches(captions, tokenizer, *, batch_size: int, process_index: int = 0, process_count: int = 1):
-  """This process's share of `captions` (a flat list): {"tokens" int32 [B, L], "index" (row in captions), "mask"}."""
+def eval_text_batches(captions, tokenizer, *, batch_size: int, positions=None):
+  """This process's share of `captions` (a flat list): {"tokens" int32 [b, L], "index" (row in captions), "mask"}."""
   load = lambda rows: {"tokens": tokenizer([captions[int(i)] for i in rows])}  # noqa: E731
-  return _padded_batches(len(captions), load, batch_size, process_index, process_count)
+  return _padded_batches(len(captions), load, batch_size, positions)
 
 
 def read_captions(source) -> list[str]:

@@ -38,12 +38,14 @@ def make_score_embed_fn(graphdef, mesh, param_shardings, score, config) -> Encod
 
 
 def _embed_rows(params, fn, batches, mesh, name: str, n: int) -> np.ndarray:
-  """Runs `fn` over padded per-process batches; returns [n, ...] on every process, in row order."""
+  """Runs `fn` over this process's rows of padded global batches; returns [n, ...] on every process, in row
+  order. The rows' indices travel as a global array beside the inputs, so any layout of processes over the batch
+  (`sharding.process_rows`) puts each embedding back in its place."""
   embs, rows = [], []
   for batch in batches:
-    g = sharding.to_global({name: batch[name]}, mesh)
+    g = sharding.to_global({name: batch[name], "index": np.where(batch["mask"], batch["index"], -1)}, mesh)
     embs.append(multihost_utils.process_allgather(fn(params, g[name]), tiled=True))
-    rows.append(multihost_utils.process_allgather(np.where(batch["mask"], batch["index"], -1), tiled=True))
+    rows.append(multihost_utils.process_allgather(g["index"], tiled=True))
   emb, row = np.concatenate(embs), np.concatenate(rows)
   out = np.zeros((n, *emb.shape[1:]), emb.dtype)
   out[row[row >= 0]] = emb[row >= 0]
@@ -55,18 +57,17 @@ def embed_split(params, encoders, source, tokenizer, model_cfg: CLIPConfig, mesh
   NumPy on every process. `captions`: each example's caption list (`pipeline.caption_lists`), read from `source`
   when not given (pass it from a source that skips image decoding to avoid decoding twice)."""
   sharding.check_batch_size(batch_size, mesh, "config.eval_batch_size")
-  local, pi, pc = batch_size // jax.process_count(), jax.process_index(), jax.process_count()
+  positions = sharding.process_rows(mesh, batch_size)
   captions = pipeline.caption_lists(source) if captions is None else captions
   if len(captions) != len(source):
     raise ValueError(f"embed_split: {len(captions)} caption lists for {len(source)} examples")
   flat = [c for caps in captions for c in caps]
   caption_image = np.repeat(np.arange(len(captions)), [len(c) for c in captions])
   img = _embed_rows(params, encoders.images, pipeline.eval_image_batches(
-      source, image_size=model_cfg.image_size, batch_size=local, process_index=pi, process_count=pc,
-      family=model_cfg.family), mesh, "image",
-      len(source))
+      source, image_size=model_cfg.image_size, batch_size=batch_size, positions=positions,
+      family=model_cfg.family), mesh, "image", len(source))
   txt = _embed_rows(params, encoders.texts, pipeline.eval_text_batches(
-      flat, tokenizer, batch_size=local, process_index=pi, process_count=pc), mesh, "tokens", len(flat))
+      flat, tokenizer, batch_size=batch_size, positions=positions), mesh, "tokens", len(flat))
   return img, txt, caption_image
 
 
