@@ -7,6 +7,8 @@ import functools
 import math
 import re
 
+import numpy as np
+
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
           "s64": 8, "u64": 8, "f64": 8, "c64": 8}
@@ -214,10 +216,44 @@ def _callees(line: str) -> list:
   return re.findall(r"\bcalls=%?([\w.\-]+)", line)
 
 
-def collective_stats(hlo: str) -> dict:
+def replica_groups(line: str):
+  """The device groups of a collective instruction line, as lists of partition ids (indices into the program's
+  device assignment: for a jit over a Mesh, `mesh.devices.flat`): `replica_groups={{0,1},{2,3}}`, the iota form
+  `[2,4]<=[8]` / `[2,4]<=[2,2,2]T(1,0,2)`, or a collective-permute's `source_target_pairs={{0,1},...}` (each pair a
+  group). [] for `{}` (every device, one group) or when the line has none."""
+  pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
+  if pairs:
+    return [[int(x) for x in g.split(",")] for g in re.findall(r"\{([\d,]+)", pairs.group(1) + "}")]
+  iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+  if iota:
+    shape, dims = _dims(iota.group(1)), _dims(iota.group(2))
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if iota.group(3):
+      ids = ids.transpose(_dims(iota.group(3)))
+    return ids.reshape(shape[0], -1).tolist()
+  listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+  if listed:
+    return [_dims(g) for g in re.findall(r"\{([\d,]*)\}", listed.group(1))]
+  return []
+
+
+def crosses(line: str, granule_of) -> bool:
+  """Whether a collective's groups join devices of different granules (slices / hosts: `granule_of[partition id]`);
+  a collective over every device (no groups listed) crosses when there is more than one granule."""
+  groups = replica_groups(line)
+  if not groups:
+    return len(set(granule_of)) > 1
+  return any(len({granule_of[i] for i in g}) > 1 for g in groups)
+
+
+def collective_stats(hlo: str, granule_of=None) -> dict:
   """{kind: {"count", "bytes"}} of the collectives in optimised HLO text, per executed step: an op inside a loop
-  body counts once per iteration (XLA's known_trip_count), nested loops multiply."""
-  stats = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
+  body counts once per iteration (XLA's known_trip_count), nested loops multiply. With `granule_of` (per partition
+  id, the slice or host its device is in: `sharding.granule_of(mesh)`), also "dcn_count" / "dcn_bytes": those of
+  the collectives whose groups span granules, i.e. that cross the slow network (their whole size is counted: what
+  a flat algorithm sends; hierarchical ones send less of it across)."""
+  stats = {k: {"count": 0, "bytes": 0, **({"dcn_count": 0, "dcn_bytes": 0} if granule_of is not None else {})}
+           for k in COLLECTIVES}
   pattern = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$")
   for line, n in _executed(hlo)[0]:
     m = pattern.search(line)
@@ -229,4 +265,25 @@ def collective_stats(hlo: str) -> dict:
       out -= _array_bytes(m.group(4).split("),", 1)[0].split("), ", 1)[0])
     stats[kind]["count"] += n
     stats[kind]["bytes"] += n * max(out, 0)
+    if granule_of is not None and crosses(line, granule_of):
+      stats[kind]["dcn_count"] += n
+      stats[kind]["dcn_bytes"] += n * max(out, 0)
+  # A multi-slice TPU program: XLA's TPU compiler splits a collective that spans slices into one inside each slice
+  # (above) and host transfers over the data-center network, `send`s handled by "xla_megascale_runtime" and tagged
+  # with the collective they implement; what each chip sends is their payload.
+  for line, n in _executed(hlo)[0]:
+    m = _MEGASCALE_SEND.search(line)
+    if m and "xla_megascale_runtime" in line:
+      kind = _MEGASCALE_KIND.get(m.group(2), "collective-permute")
+      size = _array_bytes(m.group(1))
+      stats[kind]["count"] += n
+      stats[kind]["bytes"] += n * size
+      if granule_of is not None:
+        stats[kind]["dcn_count"] += n
+        stats[kind]["dcn_bytes"] += n * size
   return stats
+
+
+_MEGASCALE_SEND = re.compile(r"=\s*\(([a-z]+\d*\[[\d,]*\]).*?\)\s+send\(.*_xla_megascale_transfer_type=\"(\w+)\"")
+_MEGASCALE_KIND = {"ALL_GATHER": "all-gather", "ALL_REDUCE": "all-reduce", "REDUCE_SCATTER": "reduce-scatter",
+                   "ALL_TO_ALL": "all-to-all"}  # and ONE_TO_ONE (point to point): collective-permute

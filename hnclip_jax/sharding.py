@@ -94,10 +94,10 @@ def dcn_sizes(mesh_config) -> tuple[int, int, int]:
 
 
 def granules(devices) -> tuple[str, list]:
-  """The groups of devices joined only by the slow network: TPU slices (devices of a multi-slice job carry
-  `slice_index`), otherwise processes (one per host on GPU and CPU). -> (kind, [[devices of granule 0], ...])."""
-  if all(getattr(d, "slice_index", None) is not None for d in devices) and devices[0].platform == "tpu":
-    kind, key = "slice", lambda d: d.slice_index
+  """The groups of devices joined only by the slow network: on TPU the slices (devices of a multi-slice job carry
+  `slice_index`; the hosts of one slice share its ICI), otherwise processes (one per host on GPU and CPU). -> (kind, [[devices of granule 0], ...])."""
+  if devices[0].platform == "tpu":  # hosts of one slice share its ICI; a single-slice job's devices have no index
+    kind, key = "slice", lambda d: getattr(d, "slice_index", 0) or 0
   else:
     kind, key = "process", lambda d: d.process_index
   groups = {}
@@ -133,6 +133,11 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
                      "mesh (config.mesh.dcn) needs the same number in each")
   dcn = mesh_shape(mesh_config["dcn"], len(groups), "config.mesh.dcn", plural)
   ici = mesh_shape(mesh_config, len(groups[0]), "config.mesh (sizes inside one " + kind + ")", f"devices per {kind}")
+  if kind == "slice" and dcn[1] > 1 and ici[1] > 1:
+    raise ValueError(f"config.mesh.fsdp={ici[1]} with config.mesh.dcn.fsdp={dcn[1]}: an fsdp axis both inside and "
+                     "across TPU slices makes XLA's TPU compiler abort (libtpu 0.0.42.1: a cross-slice "
+                     "reduce-scatter of a 'mixed' dimension is not supported). Put fsdp inside the slices "
+                     "(config.mesh.dcn.fsdp=1) or only across them (config.mesh.fsdp=1)")
   ordered = [d for g in groups for d in g]
   grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, ordered, process_is_granule=kind == "process")
   return Mesh(grid, MESH_AXES, axis_types=types)

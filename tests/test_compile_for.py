@@ -483,3 +483,83 @@ def test_a_framework_from_outside_the_package_compiles_for_tpu():
   # The extra image-tower pass (and its backward) and the term's B×B scores are in the program: more matmul work
   # than L_HN alone (1.10x here: 16 patches against 77 text positions, so the image tower is the small one).
   assert plug["matmul_flops_per_chip"] > 1.05 * plain["matmul_flops_per_chip"] > 0
+
+
+def test_replica_groups_and_slow_network_transfers_are_read():
+  """Which collectives cross the slow network: groups read in every form XLA prints, a group spanning granules
+  crosses, and a multi-slice TPU program's host transfers (megascale `send`s) count as DCN bytes of the
+  collective they implement."""
+  from hnclip_jax import hlo
+  assert hlo.replica_groups("%a = f32[8] all-reduce(%y), replica_groups=[2,4]<=[8], to_apply=%add") == [
+      [0, 1, 2, 3], [4, 5, 6, 7]]
+  assert hlo.replica_groups("%a = f32[8] all-reduce(%y), replica_groups=[4,2]<=[2,2,2]T(1,0,2), "
+                            "use_global_device_ids=true") == [[0, 1], [4, 5], [2, 3], [6, 7]]
+  assert hlo.replica_groups("%a = f32[8] all-gather(%y), replica_groups={{0,2},{1,3}}, dimensions={0}") == [[0, 2],
+                                                                                                           [1, 3]]
+  permute = "%a = f32[8] collective-permute(%y), channel_id=3, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}"
+  assert hlo.replica_groups(permute) == [[0, 1], [1, 2], [2, 3], [3, 0]]
+  halves = [0, 0, 1, 1]
+  assert hlo.crosses(permute, halves) and not hlo.crosses(permute, [0, 0, 0, 0])
+  assert not hlo.crosses("%a = f32[8] all-gather(%y), replica_groups={{0,1},{2,3}}", halves)
+  assert hlo.crosses("%a = f32[8] all-reduce(%y), replica_groups={}, to_apply=%add", halves)
+  text = """HloModule m
+
+ENTRY %main (p: f32[64]) -> f32[64] {
+  %p = f32[64]{0} parameter(0)
+  %ag = f32[128]{0} all-gather(f32[64]{0} %p), channel_id=1, replica_groups={{0,1},{2,3}}, dimensions={0}
+  %ar = f32[64]{0} all-reduce(f32[64]{0} %p), channel_id=2, replica_groups={{0,2},{1,3}}, to_apply=%add
+  %tok = token[] after-all()
+  %send = (bf16[4,32]{1,0:T(8,128)(2,1)}, u32[], token[]) send(%p, %tok), channel_id=9, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_transfer_type="ALL_REDUCE"}
+  ROOT %r = f32[64]{0} add(%ar, %p)
+}
+"""
+  stats = hlo.collective_stats(text, halves)
+  assert stats["all-gather"] == {"count": 1, "bytes": 512, "dcn_count": 0, "dcn_bytes": 0}
+  # The all-reduce between chips 0-2 and 1-3 crosses (256 B), and the megascale send of 4 x 32 bf16 (256 B) is DCN.
+  assert stats["all-reduce"] == {"count": 2, "bytes": 512, "dcn_count": 2, "dcn_bytes": 512}
+  assert hlo.collective_stats(text)["all-reduce"] == {"count": 2, "bytes": 512}  # no granules: totals only
+
+
+MULTISLICE_SCRIPT = r"""
+import json
+from hnclip_jax.tools import compile_for
+from configs.demo import get_config
+out = {}
+for name, topology, slices, ici, dcn in [("data", "v5e:2x2", 2, (2, 2, 1), (2, 1, 1)),
+                                         ("tensor", "v5e:2x2", 2, (2, 2, 1), (1, 1, 2)),
+                                         ("one slice", "v5e:2x4", 1, (4, 2, 1), (1, 1, 1)),
+                                         ("fsdp both", "v5e:2x2", 2, (2, 2, 1), (1, 2, 1))]:
+  c = get_config("test")
+  c.dtype, c.loss.token_weight = "bfloat16", 1.0
+  c.model.vocab_size, c.model.eot_token_id = 128, 3
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = ici
+  c.mesh.dcn.data, c.mesh.dcn.fsdp, c.mesh.dcn.tensor = dcn
+  try:
+    out[name] = compile_for.compile_report(c, topology, slices=slices)
+    compile_for.print_report(out[name])
+  except ValueError as e:
+    out[name] = {"error": str(e)}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_multi_slice_reports_what_crosses_the_data_center_network():
+  """Two v5e:2x2 slices joined by the DCN (--slices; JAX's topology description with num_slices), the tiny model
+  with the token term: data parallelism across the slices sends the gradient reduction and the margin's gathers
+  over the DCN; tensor parallelism across them sends more (activations in every layer); one slice of the same 8
+  chips sends nothing over it. The roofline's DCN share is those bytes at v5e's 25 Gbit/s per chip."""
+  res, proc = run_tpu_script(MULTISLICE_SCRIPT)
+  data, tensor, one = res["data"], res["tensor"], res["one slice"]
+  assert data["slices"] == 2 and data["granules"] == 2 and data["granule_kind"] == "slice" and data["chips"] == 8
+  assert data["mesh"] == {"data": 4, "fsdp": 2, "tensor": 1} and data["mesh_dcn"] == {"data": 2, "fsdp": 1,
+                                                                                      "tensor": 1}
+  coll = data["collectives"]
+  assert coll["all-reduce"]["dcn_count"] > 0 and coll["all-gather"]["dcn_count"] > 0
+  assert 0 < data["dcn_collective_bytes"] < data["collective_bytes"]
+  assert data["ici_collective_bytes"] == data["collective_bytes"] - data["dcn_collective_bytes"] > 0
+  assert data["est_dcn_s"] == pytest.approx(data["dcn_collective_bytes"] / (25e9 / 8))
+  assert data["est_step_s"] == pytest.approx(data["est_compute_s"] + data["est_ici_s"] + data["est_dcn_s"])
+  assert tensor["dcn_collective_bytes"] > 2 * data["dcn_collective_bytes"]
+  assert one["granules"] == 1 and one["dcn_collective_bytes"] == 0 and one["est_dcn_s"] == 0
+  assert "an fsdp axis both inside and across TPU slices" in res["fsdp both"]["error"]
+  assert "across the 2 slices (slow network" in proc.stdout and "2 × v5e:2x2 (8 × TPU v5" in proc.stdout

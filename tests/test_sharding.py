@@ -258,7 +258,7 @@ def test_hybrid_mesh_granules_and_errors():
   with pytest.raises(ValueError, match=r"all 8 devices are in one process: there is no slow network to cross"):
     sharding.make_mesh(cfg((2, 1, 1)), one)
   with pytest.raises(ValueError, match=r"all 8 devices are in one slice"):
-    sharding.make_mesh(cfg((2, 1, 1)), [dev(i, i // 4, 0, "tpu") for i in range(8)])
+    sharding.make_mesh(cfg((2, 1, 1)), [dev(i, i // 4, platform="tpu") for i in range(8)])  # 2 hosts, 1 slice
   with pytest.raises(ValueError, match=r"config.mesh.dcn \{'data': 4, 'fsdp': 1, 'tensor': 1\} multiplies to 4 "
                                        r"but there are 2 processes"):
     sharding.make_mesh(cfg((4, 1, 1)), [dev(i, i // 4) for i in range(8)])

@@ -60,23 +60,28 @@ from hnclip_jax.hlo import collective_stats, compiler_remat, matmul_flops  # noq
 # for v5p, "32 GB" for v6e), peak bf16 FLOP/s, bidirectional ICI bandwidth in GB/s (the v3/v4 pages give none).
 # A chip's HBM and FLOP/s are split evenly over the JAX devices the topology gives per chip (libtpu's topology
 # for v4:2x2x2 has 16 devices on 8 chips; v5e, v5p and v6e have one device per chip).
+# dcn_gbit: data-center-network bandwidth per chip, one direction, in Gbit/s: v5p's page states 50 Gbps per chip;
+# v5e's gives 2 × 100 Gbps NICs per 8-chip host (= its "6.4 Tbps per 256-chip Pod"), 25 per chip; the v3, v4 and
+# v6e pages give none (the DCN share of a roofline is then unknown: NaN).
 GIB, GB = 2 ** 30, 10 ** 9
 CHIPS = {
-    "v3": {"hbm_bytes": 32 * GIB, "peak_tflops": 123, "ici_gbps": None},
-    "v4": {"hbm_bytes": 32 * GIB, "peak_tflops": 275, "ici_gbps": None},
-    "v5e": {"hbm_bytes": 16 * GB, "peak_tflops": 197, "ici_gbps": 400},
-    "v5p": {"hbm_bytes": 95 * GIB, "peak_tflops": 459, "ici_gbps": 1200},
-    "v6e": {"hbm_bytes": 32 * GB, "peak_tflops": 918, "ici_gbps": 800},
+    "v3": {"hbm_bytes": 32 * GIB, "peak_tflops": 123, "ici_gbps": None, "dcn_gbit": None},
+    "v4": {"hbm_bytes": 32 * GIB, "peak_tflops": 275, "ici_gbps": None, "dcn_gbit": None},
+    "v5e": {"hbm_bytes": 16 * GB, "peak_tflops": 197, "ici_gbps": 400, "dcn_gbit": 25},
+    "v5p": {"hbm_bytes": 95 * GIB, "peak_tflops": 459, "ici_gbps": 1200, "dcn_gbit": 50},
+    "v6e": {"hbm_bytes": 32 * GB, "peak_tflops": 918, "ici_gbps": 800, "dcn_gbit": None},
 }
 # GPUs, compiled by XLA's GPU compiler from the CUDA PJRT plugin without a GPU: the plugin needs a target config
 # (a GpuTargetConfigProto: what XLA would otherwise query from the device). From NVIDIA's data sheets (H100 SXM5
 # 80 GB, A100 SXM4 80 GB; read 2026-12-01): SM count, shared memory and registers per SM, L2, clock, memory and
 # bandwidth, CUDA compute capability; dense bf16 tensor-core FLOP/s; NVLink bandwidth per GPU (bidirectional).
+# dcn_gbit: the network between hosts per GPU, one direction: DGX H100 has one 400 Gb/s ConnectX-7 (NDR
+# InfiniBand) per GPU, DGX A100 one 200 Gb/s ConnectX-6 (HDR) per GPU (NVIDIA's DGX user guides).
 GPUS = {
-    "h100": {"hbm_bytes": 80 * GB, "peak_tflops": 989, "ici_gbps": 900, "name": "NVIDIA H100 80GB HBM3",
+    "h100": {"hbm_bytes": 80 * GB, "peak_tflops": 989, "ici_gbps": 900, "dcn_gbit": 400, "name": "NVIDIA H100 80GB HBM3",
              "cc": (9, 0), "sms": 132, "fpus_per_sm": 128, "smem_per_sm": 228 * 1024, "smem_optin": 227 * 1024,
              "l2": 50 * 2 ** 20, "clock_ghz": 1.98, "mem_bw": 3.35e12},
-    "a100": {"hbm_bytes": 80 * GB, "peak_tflops": 312, "ici_gbps": 600, "name": "NVIDIA A100-SXM4-80GB",
+    "a100": {"hbm_bytes": 80 * GB, "peak_tflops": 312, "ici_gbps": 600, "dcn_gbit": 200, "name": "NVIDIA A100-SXM4-80GB",
              "cc": (8, 0), "sms": 108, "fpus_per_sm": 64, "smem_per_sm": 164 * 1024, "smem_optin": 163 * 1024,
              "l2": 40 * 2 ** 20, "clock_ghz": 1.41, "mem_bw": 2.039e12},
 }
@@ -95,6 +100,9 @@ def define_flags() -> None:
   config_flags.DEFINE_config_file("config", None, "Config file (as for train.py).", lock_config=True)
   flags.DEFINE_string("topology", None, "TPU topology, e.g. v5e:2x2, v5e:4x4, v5p:2x2x2, v4:2x2x1, v6e:4x4; or "
                       "GPUs as HOSTSxGPUS_PER_HOST: h100:1x8, a100:2x8.")
+  flags.DEFINE_integer("slices", 1, "TPU: compile for this many slices of --topology joined by the data-center "
+                       "network (a multi-slice job; give the mesh's DCN part with --config.mesh.dcn.*). GPU hosts are "
+                       "in the topology itself (h100:2x8).")
   flags.DEFINE_string("json", "", "Write the report (or the sweep's rows) to this JSON file.")
   flags.DEFINE_bool("sweep", False, "Compile a grid of layouts and settings; print a table sorted by fit and cost.")
   flags.DEFINE_string("layouts", "auto", "Sweep: mesh layouts DATAxFSDPxTENSOR, comma-separated; 'auto': every "
@@ -131,13 +139,13 @@ def gpu_target_config(spec: dict) -> str:
           f"device_description_str: \"{spec['name']}\"")
 
 
-def chip_count(topology: str) -> int:
-  return math.prod(int(x) for x in topology.split(":", 1)[1].split("x"))
+def chip_count(topology: str, slices: int = 1) -> int:
+  return slices * math.prod(int(x) for x in topology.split(":", 1)[1].split("x"))
 
 
-def topology_devices(topology: str):
-  """The devices of `topology` (TPU: 'v5e:2x2', from libtpu; GPU: 'h100:2x8', hosts x GPUs per host, from the CUDA
-  plugin and a target config), without the hardware."""
+def topology_devices(topology: str, slices: int = 1):
+  """The devices of `topology` (TPU: 'v5e:2x2', from libtpu, `slices` of them joined by the data-center network;
+  GPU: 'h100:2x8', hosts x GPUs per host, from the CUDA plugin and a target config), without the hardware."""
   from jax.experimental import topologies
   spec = chip_spec(topology)
   if spec["platform"] == "cuda":
@@ -148,6 +156,9 @@ def topology_devices(topology: str):
     if plugin is None:
       raise FileNotFoundError(f"--topology={topology}: JAX's CUDA plugin is not installed, so there is no GPU "
                               f"compiler: {CUDA_PLUGIN}")
+    if slices != 1:
+      raise ValueError(f"--slices={slices} applies to TPU topologies; GPU hosts are the topology's first number "
+                       f"(e.g. {spec['generation']}:{slices}x8)")
     shape = topology.split(":", 1)[1].split("x")
     if len(shape) != 2 or not all(x.isdigit() and int(x) > 0 for x in shape):
       raise ValueError(f"--topology={topology}: a GPU topology is HOSTSxGPUS_PER_HOST, e.g. {spec['generation']}:1x8")
@@ -158,7 +169,10 @@ def topology_devices(topology: str):
                             "~/.cache/hnclip_jax/libtpu libtpu==0.0.42.1 (the version jax[tpu]==0.10.2 pins) and rerun "
                             "with PYTHONPATH=~/.cache/hnclip_jax/libtpu")
   try:
-    return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    if slices < 1:
+      raise ValueError(f"--slices={slices}: give 1 or more")
+    kw = {"num_slices": slices} if slices > 1 else {}
+    return topologies.get_topology_desc(topology_name=topology, platform="tpu", **kw).devices
   except Exception as e:  # libtpu's message names what it could not parse
     raise ValueError(f"--topology={topology}: libtpu cannot build this topology ({e}); use e.g. v5e:2x2, v5p:2x2x2")
 
@@ -193,13 +207,13 @@ def global_flops(lowered) -> float:
     return float("nan")
 
 
-def compile_report(config, topology: str, devices=None, return_compiled: bool = False):
-  """Compiles train.py's step of `config` for `topology`; returns the per-chip report (see the module doc), and the
-  compiled executable too with `return_compiled`."""
+def compile_report(config, topology: str, devices=None, return_compiled: bool = False, slices: int = 1):
+  """Compiles train.py's step of `config` for `topology` (× `slices`); returns the per-chip report (see the module
+  doc), and the compiled executable too with `return_compiled`."""
   import jax
   from hnclip_jax import config as config_lib, sharding, train_step
   config = config_lib.validate(config)
-  devices = topology_devices(topology) if devices is None else devices
+  devices = topology_devices(topology, slices) if devices is None else devices
   chip = chip_spec(topology)
   mesh = sharding.make_mesh(config.mesh, devices)
   rules = sharding.parse_rules(config.mesh.rules)
@@ -216,7 +230,7 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
     refused = out_of_memory(str(e))
     if refused is None:
       raise
-    report = {**_describe(config, topology, devices, mesh, model_cfg), **refused,
+    report = {**_describe(config, topology, devices, mesh, model_cfg, slices), **refused,
               "compile_s": time.perf_counter() - t0, "jax": jax.__version__}
     return (report, None) if return_compiled else report
   compile_s = time.perf_counter() - t0
@@ -232,29 +246,42 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
   # the optimised program weighted by trip counts do not. The step's FLOPs: the larger of the two.
   mm_flops = matmul_flops(hlo)
   flops = max(xla_flops, mm_flops) if xla_flops == xla_flops else mm_flops
-  coll = collective_stats(hlo)
+  granule = sharding.granule_of(mesh)
+  coll = collective_stats(hlo, granule)
   xla_remat = compiler_remat(hlo)
   arg, out, alias, temp = (int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp"))
-  chips = chip_count(topology)
+  chips = chip_count(topology, slices)
   per_chip = len(devices) / chips  # JAX devices per chip
   hbm = chip["hbm_bytes"] / per_chip
   usable = (usable_hbm(devices[0]) if chip["platform"] == "tpu" else None) or hbm
   total = arg + out - alias + temp
   coll_bytes = sum(v["bytes"] for v in coll.values())
+  dcn_bytes = sum(v["dcn_bytes"] for v in coll.values())
   peak = chip["peak_tflops"] * 1e12 / per_chip
-  est = flops / peak + (coll_bytes / (chip["ici_gbps"] * 1e9 / 2) if chip["ici_gbps"] else 0.0)
-  report = {**_describe(config, topology, devices, mesh, model_cfg), "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
+  # Roofline, no overlap: FLOPs at peak + bytes that stay inside a slice / host at the fast network's one-way
+  # bandwidth (half the bidirectional figure) + bytes that cross at the slow network's (per chip, one way).
+  est_compute = flops / peak
+  est_ici = (coll_bytes - dcn_bytes) / (chip["ici_gbps"] * 1e9 / 2) if chip["ici_gbps"] else 0.0
+  est_dcn = (dcn_bytes / (chip["dcn_gbit"] * 1e9 / 8) if chip["dcn_gbit"] else float("nan")) if dcn_bytes else 0.0
+  est = est_compute + est_ici + est_dcn
+  report = {**_describe(config, topology, devices, mesh, model_cfg, slices), "argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
             "total_bytes": total, "hbm_bytes": int(hbm), "usable_hbm_bytes": int(usable), "fits": total <= usable, "flops_per_chip": flops,
             "xla_flops_per_chip": xla_flops, "matmul_flops_per_chip": mm_flops, "flops_source": flops_source,
             "compiler_remat_instructions": xla_remat["instructions"],
             "compiler_remat_flops_per_chip": xla_remat["matmul_flops"], "collectives": coll,
-            "collective_bytes": coll_bytes, "est_step_s": est, "compile_s": compile_s,
+            "collective_bytes": coll_bytes, "dcn_collective_bytes": dcn_bytes,
+            "ici_collective_bytes": coll_bytes - dcn_bytes, "est_step_s": est, "est_compute_s": est_compute,
+            "est_ici_s": est_ici, "est_dcn_s": est_dcn, "compile_s": compile_s,
             "jax": jax.__version__}
   return (report, compiled) if return_compiled else report
 
 
-def _describe(config, topology, devices, mesh, model_cfg) -> dict:
-  return {"topology": topology, "devices": len(devices), "chips": chip_count(topology),
+def _describe(config, topology, devices, mesh, model_cfg, slices=1) -> dict:
+  from hnclip_jax import sharding
+  kind, groups = sharding.granules(list(devices))
+  return {"topology": topology, "slices": slices, "devices": len(devices), "chips": chip_count(topology, slices),
+          "granules": len(groups), "granule_kind": "host" if kind == "process" else kind,
+          "mesh_dcn": dict(zip(sharding.MESH_AXES, sharding.dcn_sizes(config.mesh))),
           "device_kind": devices[0].device_kind, "mesh": dict(mesh.shape), "batch_size": config.batch_size,
           "grad_accum_steps": config.grad_accum_steps, "dtype": config.dtype, "remat": config.remat,
           "chunk_size": config.loss.chunk_size, "token_weight": config.loss.token_weight,
@@ -298,6 +325,10 @@ def _gb(x):
   return f"{x / 1e9:.3f}"
 
 
+def _where(r: dict) -> str:
+  return r["topology"] if r.get("slices", 1) == 1 else f"{r['slices']} × {r['topology']}"
+
+
 def print_report(r: dict) -> None:
   m = r["mesh"]
   if "compiler_refused" in r:
@@ -307,7 +338,7 @@ def print_report(r: dict) -> None:
           f"refused it after {r['compile_s']:.1f} s: needs {_gb(r['required_bytes'])} GB per chip, "
           f"{_gb(r['usable_hbm_bytes'])} GB usable ({r['compiler_refused']})")
     return
-  print(f"{r['topology']} ({r['devices']} × {r['device_kind']}), mesh data={m['data']} fsdp={m['fsdp']} "
+  print(f"{_where(r)} ({r['devices']} × {r['device_kind']}), mesh data={m['data']} fsdp={m['fsdp']} "
         f"tensor={m['tensor']}, global batch {r['batch_size']} ({r['grad_accum_steps']} micro-batches), "
         f"{r['dtype']}, remat={r['remat']}, token_weight={r['token_weight']}; compiled in {r['compile_s']:.1f} s")
   print(f"per chip: arguments {_gb(r['argument_bytes'])} GB, outputs {_gb(r['output_bytes'])} GB (aliased "
@@ -315,13 +346,20 @@ def print_report(r: dict) -> None:
         f"{_gb(r['usable_hbm_bytes'])} GB usable HBM ({_gb(r['hbm_bytes'])} GB nominal): "
         f"{'fits' if r['fits'] else 'DOES NOT FIT'}")
   print(f"XLA FLOPs per chip per step: {r['flops_per_chip'] / 1e12:.3f} TFLOP; roofline step estimate "
-        f"{r['est_step_s'] * 1e3:.1f} ms")
+        f"{r['est_step_s'] * 1e3:.1f} ms (compute {r['est_compute_s'] * 1e3:.1f} + fast network "
+        f"{r['est_ici_s'] * 1e3:.1f} + slow network {r['est_dcn_s'] * 1e3:.1f} ms)")
   if r["compiler_remat_instructions"]:
     print(f"XLA rematerialised {r['compiler_remat_instructions']} instructions to reduce memory (recomputing "
           f"{r['compiler_remat_flops_per_chip'] / 1e12:.3f} TFLOP of matmuls, included above): the program is at "
           f"or over the chip's memory; config.remat or smaller micro-batches usually cost less")
   used = [f"{k} ×{v['count']} ({_gb(v['bytes'])} GB)" for k, v in r["collectives"].items() if v["count"]]
   print("collectives per step: " + (", ".join(used) or "none"))
+  if r["granules"] > 1:
+    across = [f"{k} ×{v['dcn_count']} ({_gb(v['dcn_bytes'])} GB)" for k, v in r["collectives"].items()
+              if v["dcn_count"]]
+    print(f"across the {r['granules']} {r['granule_kind']}s (slow network; mesh.dcn {r['mesh_dcn']}): "
+          f"{_gb(r['dcn_collective_bytes'])} GB per chip per step: " + (", ".join(across) or "none") +
+          f"; inside them: {_gb(r['ici_collective_bytes'])} GB")
 
 
 def auto_layouts(n: int) -> list:
@@ -339,9 +377,10 @@ def _typed(value: str, current):
   return type(current)(value) if current is not None else value
 
 
-def sweep(config, topology: str) -> list:
-  devices = topology_devices(topology)
-  n = len(devices)
+def sweep(config, topology: str, slices: int = 1) -> list:
+  from hnclip_jax import sharding
+  devices = topology_devices(topology, slices)
+  n = len(devices) // math.prod(sharding.dcn_sizes(config.mesh))  # auto layouts: the sizes inside one granule
   layouts = (auto_layouts(n) if FLAGS.layouts == "auto" else
              [tuple(int(x) for x in item.split("x")) for item in FLAGS.layouts.split(",")])
   grid = []
@@ -361,7 +400,7 @@ def sweep(config, topology: str) -> list:
       node[leaf] = _typed(value, node[leaf])
     label = {"layout": "x".join(map(str, layout)), **{k: v for (k, _), v in zip(grid, combo)}}
     try:
-      r, compiled = compile_report(c, topology, devices, return_compiled=True)
+      r, compiled = compile_report(c, topology, devices, return_compiled=True, slices=slices)
     except (ValueError, FileNotFoundError) as e:  # a layout this model or batch cannot use
       r, compiled = None, None
       row = {**label, "fits": False, "error": str(e)[:160]}
@@ -372,11 +411,12 @@ def sweep(config, topology: str) -> list:
     elif r is not None:
       row = {**label, "fits": r["fits"], "total_GB": r["total_bytes"] / 1e9, "temp_GB": r["temp_bytes"] / 1e9,
              "TFLOP": r["flops_per_chip"] / 1e12, "collective_GB": r["collective_bytes"] / 1e9,
+             "dcn_GB": r["dcn_collective_bytes"] / 1e9,
              "est_step_ms": r["est_step_s"] * 1e3, "compile_s": r["compile_s"],
              "xla_remat_TFLOP": r["compiler_remat_flops_per_chip"] / 1e12}
       if FLAGS.hlo_dir:  # the optimised program, so its FLOPs / collectives can be recounted without recompiling
         os.makedirs(FLAGS.hlo_dir, exist_ok=True)
-        name = topology.replace(":", "_") + "_" + "_".join(f"{k}={v}" for k, v in label.items()) + ".hlo.gz"
+        name = (f"{slices}x" if slices > 1 else "") + topology.replace(":", "_") + "_" + "_".join(f"{k}={v}" for k, v in label.items()) + ".hlo.gz"
         with gzip.open(os.path.join(FLAGS.hlo_dir, name), "wt") as f:
           f.write(compiled.as_text())
         row["hlo"] = name
@@ -404,9 +444,9 @@ def main(argv):
   chip_spec(FLAGS.topology)
   cli.enable_compilation_cache(config.compilation_cache_dir)
   if FLAGS.sweep:
-    result = sweep(config, FLAGS.topology)
+    result = sweep(config, FLAGS.topology, FLAGS.slices)
   else:
-    result = compile_report(config, FLAGS.topology)
+    result = compile_report(config, FLAGS.topology, slices=FLAGS.slices)
     print_report(result)
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
