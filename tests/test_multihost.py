@@ -96,7 +96,8 @@ HYBRID = ["--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.tensor=
 def test_hybrid_mesh_trains_like_one_device_and_resumes_bit_identically(tmp_path, tfds_dir, reference):
   """Two processes (the slow network's granules) × 4 devices, data parallelism across them (config.mesh.dcn.data=2)
   and fsdp × tensor inside each: the losses and the in-training eval of one device; killed on both processes after
-  step 3 (steps 1 and 2 checkpointed), a plain rerun ends with the metrics of the uninterrupted run, bit for bit."""
+  step 3 (steps 1 and 2 checkpointed), a plain rerun ends with the metrics of the uninterrupted run, bit for bit;
+  eval.py restores its checkpoint onto one device and reports the one-device run's Recall."""
   args = [*COMMON, f"--config.data.data_dir={tfds_dir}", "--config.checkpoint_every=1", *HYBRID]
   straight = str(tmp_path / "straight")
   outs = run_processes(["train.py", *args, "--workdir", straight], num_processes=2, devices_per_process=4)
@@ -113,6 +114,12 @@ def test_hybrid_mesh_trains_like_one_device_and_resumes_bit_identically(tmp_path
   outs = run_processes(["train.py", *args, "--workdir", killed], num_processes=2, devices_per_process=4)
   assert "checkpoints/2 (step 2)" in outs[0][0], outs[0][0][-2000:]
   assert metrics_rows(killed) == metrics_rows(straight)
+  # The hybrid run's checkpoint restored onto one device (another mesh): the one-device run's Recall.
+  run_py(["eval.py", *COMMON, f"--config.data.data_dir={tfds_dir}", "--workdir", killed])
+  got, want = _eval(killed), _eval(reference)
+  assert got["num_pairs"] == want["num_pairs"] == 41
+  assert got["step"] == want["step"] == 3
+  assert (got["t2i"], got["i2t"]) == (pytest.approx(want["t2i"]), pytest.approx(want["i2t"]))
 
 
 def test_hybrid_mesh_gradients_equal_one_device():

@@ -21,12 +21,18 @@ counts what it added (`compiler_remat`), since those FLOPs are in the step's cou
 then is refused by the TPU compiler (RESOURCE_EXHAUSTED); the report says DOES NOT FIT with the compiler's numbers
 (`out_of_memory`), and a sweep records the row and goes on.
 
+Beyond one slice or host (`--slices 2` compiles for two slices of the TPU topology joined by the data-center
+network; a GPU topology's first number is its hosts; the mesh's DCN part from --config.mesh.dcn.*): the collective
+bytes are split into those that cross the slow network (groups spanning slices / hosts, and the TPU compiler's
+megascale host transfers) and those that stay inside, and the roofline takes each at its own bandwidth
+(`CHIPS` / `GPUS`: dcn_gbit; docs/sharding.md "Beyond one slice or host").
+
 GPUs (`--topology h100:1x8`, hosts x GPUs per host; h100 and a100): XLA's GPU compiler from JAX's CUDA plugin
 compiles without a GPU given a target config (`gpu_target_config`, from NVIDIA's data sheets): `pip install
 --no-deps --target ~/.cache/hnclip_jax/cuda jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2` and
 PYTHONPATH=~/.cache/hnclip_jax/cuda. It returns memory analysis and the optimised program but no cost analysis, so
 a GPU report's FLOPs are the whole program's (XLA's HLO cost analysis) divided by the devices, and its roofline
-uses NVLink bandwidth (optimistic across hosts, whose traffic goes over the network).
+uses NVLink bandwidth inside a host and the network's between hosts.
 """
 from __future__ import annotations
 
@@ -411,7 +417,7 @@ def sweep(config, topology: str, slices: int = 1) -> list:
     elif r is not None:
       row = {**label, "fits": r["fits"], "total_GB": r["total_bytes"] / 1e9, "temp_GB": r["temp_bytes"] / 1e9,
              "TFLOP": r["flops_per_chip"] / 1e12, "collective_GB": r["collective_bytes"] / 1e9,
-             "dcn_GB": r["dcn_collective_bytes"] / 1e9,
+             "dcn_GB": r["dcn_collective_bytes"] / 1e9, "est_dcn_ms": r["est_dcn_s"] * 1e3,
              "est_step_ms": r["est_step_s"] * 1e3, "compile_s": r["compile_s"],
              "xla_remat_TFLOP": r["compiler_remat_flops_per_chip"] / 1e12}
       if FLAGS.hlo_dir:  # the optimised program, so its FLOPs / collectives can be recounted without recompiling
