@@ -403,6 +403,7 @@ def test_a_sweep_records_what_the_tpu_compiler_refuses(tmp_path):
          env_extra={"PYTHONPATH": os.pathsep.join(filter(None, [path, ROOT]))}, timeout=600)
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   assert [r["layout"] for r in rows] == ["1x4x1", "4x1x1"], rows
+  assert [(r["topology"], r["slices"], r["dcn"]) for r in rows] == [("v5e:2x2", 1, "1x1x1")] * 2
   for r in rows:
     assert r["fits"] is False and "refused" in r["error"] and r["total_GB"] > 100, r
     assert "16.911 GB usable" in r["error"], r  # libtpu's 15.75 GiB of a v5e chip

@@ -404,7 +404,8 @@ def sweep(config, topology: str, slices: int = 1) -> list:
         head, leaf = leaf.split(".", 1)
         node = node[head]
       node[leaf] = _typed(value, node[leaf])
-    label = {"layout": "x".join(map(str, layout)), **{k: v for (k, _), v in zip(grid, combo)}}
+    label = {"topology": topology, "slices": slices, "layout": "x".join(map(str, layout)),
+             "dcn": "x".join(map(str, sharding.dcn_sizes(c.mesh))), **{k: v for (k, _), v in zip(grid, combo)}}
     try:
       r, compiled = compile_report(c, topology, devices, return_compiled=True, slices=slices)
     except (ValueError, FileNotFoundError) as e:  # a layout this model or batch cannot use
@@ -422,7 +423,8 @@ def sweep(config, topology: str, slices: int = 1) -> list:
              "xla_remat_TFLOP": r["compiler_remat_flops_per_chip"] / 1e12}
       if FLAGS.hlo_dir:  # the optimised program, so its FLOPs / collectives can be recounted without recompiling
         os.makedirs(FLAGS.hlo_dir, exist_ok=True)
-        name = (f"{slices}x" if slices > 1 else "") + topology.replace(":", "_") + "_" + "_".join(f"{k}={v}" for k, v in label.items()) + ".hlo.gz"
+        tag = "_".join(f"{k}={v}" for k, v in label.items() if k not in ("topology", "slices"))
+        name = (f"{slices}x" if slices > 1 else "") + topology.replace(":", "_") + "_" + tag + ".hlo.gz"
         with gzip.open(os.path.join(FLAGS.hlo_dir, name), "wt") as f:
           f.write(compiled.as_text())
         row["hlo"] = name
