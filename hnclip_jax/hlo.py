@@ -254,33 +254,30 @@ def collective_stats(hlo: str, granule_of=None) -> dict:
   a flat algorithm sends; hierarchical ones send less of it across)."""
   stats = {k: {"count": 0, "bytes": 0, **({"dcn_count": 0, "dcn_bytes": 0} if granule_of is not None else {})}
            for k in COLLECTIVES}
+
+  def add(kind, n, size, dcn):
+    stats[kind]["count"] += n
+    stats[kind]["bytes"] += n * size
+    if dcn:
+      stats[kind]["dcn_count"] += n
+      stats[kind]["dcn_bytes"] += n * size
+
   pattern = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$")
   for line, n in _executed(hlo)[0]:
     m = pattern.search(line)
-    if not m:
+    if m:
+      kind, start = m.group(2), bool(m.group(3))
+      out = _array_bytes(m.group(1))  # combined collectives return a tuple: every array counts
+      if start and kind in ("all-gather", "collective-permute"):  # their async result also holds the inputs
+        out -= _array_bytes(m.group(4).split("),", 1)[0].split("), ", 1)[0])
+      add(kind, n, max(out, 0), granule_of is not None and crosses(line, granule_of))
       continue
-    kind, start = m.group(2), bool(m.group(3))
-    out = _array_bytes(m.group(1))  # combined collectives return a tuple: every array counts
-    if start and kind in ("all-gather", "collective-permute"):  # their async result also holds the inputs
-      out -= _array_bytes(m.group(4).split("),", 1)[0].split("), ", 1)[0])
-    stats[kind]["count"] += n
-    stats[kind]["bytes"] += n * max(out, 0)
-    if granule_of is not None and crosses(line, granule_of):
-      stats[kind]["dcn_count"] += n
-      stats[kind]["dcn_bytes"] += n * max(out, 0)
-  # A multi-slice TPU program: XLA's TPU compiler splits a collective that spans slices into one inside each slice
-  # (above) and host transfers over the data-center network, `send`s handled by "xla_megascale_runtime" and tagged
-  # with the collective they implement; what each chip sends is their payload.
-  for line, n in _executed(hlo)[0]:
+    # A multi-slice TPU program: XLA's TPU compiler splits a collective that spans slices into one inside each
+    # slice (above) and host transfers over the data-center network, `send`s handled by "xla_megascale_runtime" and
+    # tagged with the collective they implement; what each chip sends is their payload.
     m = _MEGASCALE_SEND.search(line)
     if m and "xla_megascale_runtime" in line:
-      kind = _MEGASCALE_KIND.get(m.group(2), "collective-permute")
-      size = _array_bytes(m.group(1))
-      stats[kind]["count"] += n
-      stats[kind]["bytes"] += n * size
-      if granule_of is not None:
-        stats[kind]["dcn_count"] += n
-        stats[kind]["dcn_bytes"] += n * size
+      add(_MEGASCALE_KIND.get(m.group(2), "collective-permute"), n, _array_bytes(m.group(1)), granule_of is not None)
   return stats
 
 
