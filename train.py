@@ -7,7 +7,6 @@ if __name__ == "__main__":  # first, before anything imports JAX: re-exec under 
 
 import dataclasses
 import json
-import os
 import time
 
 from absl import app, flags
@@ -30,7 +29,7 @@ def main(argv):
 
   import hnclip_jax
   from hnclip_jax import (checkpoint, cli, config as config_lib, diagnostics, experiment, faults, frameworks, hlo,
-                          hostmem, optim, preemption, sharding, storage, train_step)
+                          hostmem, optim, paths, preemption, sharding, storage, train_step)
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.evaluation import embedding
   from hnclip_jax.evaluation.retrieval import NonFiniteEmbeddings
@@ -41,7 +40,7 @@ def main(argv):
   # ---- Config, paths, mesh, checks (all before building data or compiling anything) ----
   quiet_libraries()
   config = config_lib.validate(FLAGS.config)
-  workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
+  workdir = paths.resolve(FLAGS.workdir, "--workdir")
   preemption.check_workdir(workdir)
   storage.start_debug_log(workdir)  # library tracebacks go there; the console keeps one line per problem
   wd = Workdir(workdir)

@@ -18,8 +18,6 @@ trained parameters; its meta references the frozen store by path and fingerprint
 from __future__ import annotations
 
 import errno
-import os
-import shutil
 import time
 
 import jax
@@ -29,7 +27,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
-from hnclip_jax import faults, storage
+from hnclip_jax import faults, paths, storage
 
 
 class CheckpointError(storage.StorageError):
@@ -180,7 +178,7 @@ class Checkpointer:
     """frozen: parameter path -> True for parameters stored once in the frozen store, not in every step.
     overlap_steps: check(step) waits for a background save once it has run beside this many steps (None: never
     waits; a failure then shows when the write ends, or at the next save)."""
-    self.directory = os.path.abspath(os.path.expanduser(directory))
+    self.directory = paths.resolve(directory, "checkpoint directory")
     self.frozen_dir = self.directory.rstrip("/") + "_" + FROZEN_DIR
     self.frozen = frozen
     self._frozen_fingerprint = None
@@ -219,7 +217,7 @@ class Checkpointer:
       raise IncompatibleCheckpoint(where, ["it stores every parameter, but this run keeps its frozen parameters "
                                            "apart (another config.finetune setting)"], meta)
     # Raised as CheckpointError: a bad store is not a damaged step (no step is set aside, nothing is moved).
-    if not os.path.isdir(self.frozen_dir):
+    if not paths.isdir(self.frozen_dir):
       raise CheckpointError(f"{where} references the frozen parameters in {self.frozen_dir}, which is missing; "
                             "restore that directory (it is written once, at the run's first start). Nothing was "
                             "moved or deleted")
@@ -238,10 +236,11 @@ class Checkpointer:
     return frozen
 
   def finished_steps(self) -> list[int]:
-    """Steps whose checkpoint directory is complete on disk (Orbax renames a step's directory when it is done)."""
+    """Steps whose checkpoint directory is complete: Orbax's own finalisation (a rename on a local disk; on a bucket,
+    which cannot rename, its commit marker inside the step's directory)."""
     try:
-      return sorted(int(d) for d in os.listdir(self.directory)
-                    if d.isdigit() and os.path.isdir(os.path.join(self.directory, d)))
+      return sorted(int(d) for d in paths.listdir(self.directory)
+                    if d.isdigit() and ocp.step.is_checkpoint_finalized(paths.join(self.directory, d)))
     except OSError:
       return []
 
@@ -300,9 +299,11 @@ class Checkpointer:
     if step is None or jax.process_index() != 0:
       return
     try:
-      for d in os.listdir(self.directory):
-        if d.startswith(f"{step}.orbax-checkpoint-tmp"):
-          shutil.rmtree(os.path.join(self.directory, d), ignore_errors=True)
+      for d in paths.listdir(self.directory):
+        partial = d.startswith(f"{step}.orbax-checkpoint-tmp") or (
+            d == str(step) and not ocp.step.is_checkpoint_finalized(paths.join(self.directory, d)))
+        if partial:
+          paths.rmtree(paths.join(self.directory, d))
     except OSError:
       pass
 
@@ -418,10 +419,10 @@ class Checkpointer:
       return
     if jax.process_index() == 0:
       aside = self.directory.rstrip("/") + "_damaged"
-      os.makedirs(aside, exist_ok=True)
+      paths.makedirs(aside)
       for step in steps:
-        dst = os.path.join(aside, f"{step}-{int(time.time())}")
-        os.replace(os.path.join(self.directory, str(step)), dst)
+        dst = paths.join(aside, f"{step}-{int(time.time())}")
+        paths.move(paths.join(self.directory, str(step)), dst)
         print(f"WARNING: moved damaged checkpoint {self.directory}/{step} to {dst}", flush=True)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("checkpoints set aside")

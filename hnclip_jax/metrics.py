@@ -5,12 +5,31 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import time
 
 import jax
 from absl import logging
 
-from hnclip_jax import storage
+from hnclip_jax import paths, storage
+
+
+def _tail_cut(path: str, keep) -> int | None:
+  """The byte offset after the last kept line when every later line is dropped (a tail to cut), else None."""
+  offset, cut = 0, None
+  with open(path, "rb") as f:
+    for raw in f:
+      try:
+        row = json.loads(raw)
+      except ValueError:
+        row = None
+      if isinstance(row, dict) and keep(row):
+        if cut is not None:
+          return None  # a kept line after a dropped one: the file must be rewritten
+      elif cut is None:
+        cut = offset
+      offset += len(raw)
+  return offset if cut is None else cut
 
 
 class MetricsWriter:
@@ -22,15 +41,18 @@ class MetricsWriter:
                tb_dir: str | None = None):
     """jsonl: the JSON-lines file in `workdir` (None: TensorBoard only); tb_dir: default WORKDIR/tensorboard."""
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
-    self.path = os.path.join(workdir, jsonl) if jsonl else None
-    self.tb_dir = tb_dir or os.path.join(workdir, "tensorboard")
+    self.path = paths.join(workdir, jsonl) if jsonl else None
+    self.tb_dir = tb_dir or paths.join(workdir, "tensorboard")
     self._tb = None
+    # A bucket has no append: the events are written to a local file and that file is uploaded whole, as one object,
+    # after every flush (what TensorFlow's gfile does on GCS), so TensorBoard never reads a half-written file.
+    self._staging = tempfile.TemporaryDirectory(prefix="hnclip_jax-tb-") if paths.is_url(self.tb_dir) else None
     if self.enabled:
       # TensorBoard's own event writer (no TensorFlow needed): unlike tensorboardX's, its writer thread hands a
       # failed write back to the caller, so a full disk cannot leave flush() waiting forever.
       from tensorboard.summary.writer.event_file_writer import EventFileWriter
       try:
-        self._tb = EventFileWriter(self.tb_dir)
+        self._tb = EventFileWriter(self._staging.name if self._staging else self.tb_dir)
       except OSError as e:
         raise storage.StorageError(f"creating TensorBoard events in {self.tb_dir} failed ({storage.describe(e)}); "
                                    "free space or fix the directory and rerun") from e
@@ -39,7 +61,7 @@ class MetricsWriter:
     """On resume: drop lines logged after the restored checkpoint, so no step appears twice, and set aside lines a
     cut-off write left (with a warning): they never block a resume. Dropping a tail cuts the file in place (no
     space needed, so this works on the full disk that stopped the run)."""
-    if not self.enabled or self.path is None or not os.path.exists(self.path):
+    if not self.enabled or self.path is None or not paths.exists(self.path):
       return
     rows, torn = storage.read_jsonl(self.path)
     if torn:
@@ -47,32 +69,16 @@ class MetricsWriter:
     keep = lambda r: isinstance(r.get("step"), (int, float)) and r["step"] <= step  # noqa: E731
     if not torn and all(keep(r) for r in rows):
       return
-    offset, cut = 0, None  # the byte offset after the last kept line, if every later line is dropped
-    with open(self.path, "rb") as f:
-      for raw in f:
-        try:
-          row = json.loads(raw)
-        except ValueError:
-          row = None
-        if isinstance(row, dict) and keep(row):
-          if cut is not None:
-            break  # a kept line after a dropped one: rewrite the file below
-        elif cut is None:
-          cut = offset
-        offset += len(raw)
-      else:
-        cut = offset if cut is None else cut
-        try:
-          os.truncate(self.path, cut)
-          return
-        except OSError as e:
-          raise storage.StorageError(f"cutting {self.path} back to step {step} failed ({storage.describe(e)}); fix "
-                                     "the directory and rerun the same command") from e
-    tmp = self.path + ".tmp"
+    cut = None if paths.is_url(self.path) else _tail_cut(self.path, keep)  # a bucket has no in-place cut
+    if cut is not None:
+      try:
+        os.truncate(self.path, cut)
+        return
+      except OSError as e:
+        raise storage.StorageError(f"cutting {self.path} back to step {step} failed ({storage.describe(e)}); fix "
+                                   "the directory and rerun the same command") from e
     try:
-      with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows if keep(r))
-      os.replace(tmp, self.path)
+      paths.write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows if keep(r)))
     except OSError as e:
       raise storage.StorageError(f"rewriting {self.path} to step {step} failed ({storage.describe(e)}); free space "
                                  "or fix the directory and rerun the same command") from e
@@ -92,9 +98,14 @@ class MetricsWriter:
     try:
       self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
       self._tb.flush()
+      self._upload()
     except OSError as e:
       raise storage.StorageError(f"writing step {step} to the TensorBoard events in {self.tb_dir} failed "
                                  f"({storage.describe(e)})") from e
+
+  def _upload(self) -> None:
+    if self._staging is not None:
+      paths.upload_tree(self._staging.name, self.tb_dir)
 
   def close(self, quiet: bool = False):
     """quiet=True (on the way out of a failed run): a failure here is not raised over the one that ended it."""
@@ -102,6 +113,7 @@ class MetricsWriter:
       tb, self._tb = self._tb, None
       try:
         tb.close()
+        self._upload()
       except OSError as e:
         if quiet:
           return
@@ -189,8 +201,8 @@ class StepProfiler:
     self.first, self.last = steps or (0, -1)
     index = jax.process_index()
     self.active = steps is not None and (processes == "all" or index == 0) and self.last > start_step
-    self.root = os.path.join(workdir, "tensorboard")
-    self.dir = os.path.join(self.root, *([f"process_{index}"] if index else []))
+    self.root = paths.join(workdir, "tensorboard")
+    self.dir = paths.join(self.root, *([f"process_{index}"] if index else []))
     self.tracing, self._from = False, None
     if steps is not None and self.first <= start_step:
       log(f"config.profile.steps={self.first}:{self.last}: this run starts after step {start_step}, so "

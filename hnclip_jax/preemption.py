@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
+import socket
+import threading
+import time
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from hnclip_jax import storage
+from hnclip_jax import paths, storage
 
 
 class StopRequest:
@@ -57,6 +61,9 @@ class StopRequest:
 
 
 def check_workdir(workdir: str) -> None:
+  if paths.is_url(workdir):  # a bucket: writing (and removing) a probe object is the check
+    storage.check_writable(workdir, "--workdir")
+    return
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ValueError(f"--workdir={workdir} is a file; pass a directory")
   storage.check_writable(workdir, "--workdir")
@@ -66,12 +73,21 @@ def check_workdir(workdir: str) -> None:
 
 
 class WorkdirLock:
-  """An exclusive lock on WORKDIR/.lock held while training (released by the OS even after SIGKILL)."""
+  """One train.py per workdir. Local: an exclusive lock on WORKDIR/.lock (released by the OS even after SIGKILL).
+  A bucket has no locks: WORKDIR/.lease is an object created only if absent (generation precondition 0) and
+  renewed every LEASE_RENEW_S by a background thread. A second run finding a lease younger than LEASE_TTL_S is
+  refused; a lease left by a run on this host whose process is gone is taken over at once; one left by a host
+  that vanished (a preempted VM) expires LEASE_TTL_S after its last renewal — that wait, or deleting the object,
+  is what a SIGKILL costs on a bucket."""
 
   def __init__(self, workdir: str):
-    self.path = os.path.join(workdir, ".lock")
+    self.path = paths.join(workdir, ".lock")
     self._fd = None
+    self._lease = None
     if jax.process_index() != 0:
+      return
+    if paths.is_url(workdir):
+      self._lease = Lease(paths.join(workdir, ".lease"))
       return
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -86,7 +102,81 @@ class WorkdirLock:
     self._fd = fd
 
   def release(self):
+    if self._lease is not None:
+      self._lease.release()
+      self._lease = None
     if self._fd is not None:
       fcntl.flock(self._fd, fcntl.LOCK_UN)
       os.close(self._fd)
       self._fd = None
+
+
+LEASE_TTL_S = 120.0
+LEASE_RENEW_S = 30.0
+
+
+class Lease:
+  """The bucket's single-writer guard (see WorkdirLock): {"host", "pid", "renewed"} in one object, created with
+  gcsfs' create-only mode (GCS `ifGenerationMatch=0`), so of two runs starting at once exactly one gets it."""
+
+  def __init__(self, path: str):
+    import gcsfs  # only bucket workdirs need it (etils.epath opens gs:// with it too)
+    self.path, self._fs = path, gcsfs.GCSFileSystem()
+    self._key = path.split("://", 1)[1]
+    self._me = {"host": socket.gethostname(), "pid": os.getpid()}
+    self._stop = threading.Event()
+    if not self._create():
+      held = self._read()
+      age = time.time() - float(held.get("renewed", 0)) if held else LEASE_TTL_S
+      dead_here = held and held.get("host") == self._me["host"] and not _alive(int(held.get("pid", -1)))
+      if held and age < LEASE_TTL_S and not dead_here:
+        raise ValueError(f"another train.py (host {held.get('host')}, pid {held.get('pid')}) holds {path}, renewed "
+                         f"{age:.0f} s ago; wait for it to finish, or — if that run is gone — for the lease to "
+                         f"expire ({LEASE_TTL_S - age:.0f} s) or delete {path}, or use another --workdir")
+      self._fs.rm(self._key)  # stale: taken over
+      if not self._create():
+        raise ValueError(f"another train.py took {path} at the same moment; use another --workdir")
+    self._thread = threading.Thread(target=self._renew, name="lease", daemon=True)
+    self._thread.start()
+
+  def _body(self) -> bytes:
+    return json.dumps({**self._me, "renewed": time.time()}).encode()
+
+  def _create(self) -> bool:
+    try:
+      self._fs.pipe(self._key, self._body(), mode="create")
+      return True
+    except (FileExistsError, OSError) as e:
+      if isinstance(e, FileExistsError) or "412" in str(e) or "precondition" in str(e).lower():
+        return False
+      raise
+
+  def _read(self) -> dict | None:
+    try:
+      return json.loads(self._fs.cat(self._key))
+    except (FileNotFoundError, ValueError):
+      return None
+
+  def _renew(self) -> None:
+    while not self._stop.wait(LEASE_RENEW_S):
+      try:
+        self._fs.pipe(self._key, self._body())
+      except Exception:  # noqa: BLE001 (a failed renewal is retried; the run's own writes report storage trouble)
+        pass
+
+  def release(self) -> None:
+    self._stop.set()
+    try:
+      self._fs.rm(self._key)
+    except Exception:  # noqa: BLE001
+      pass
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+    return True
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True

@@ -19,6 +19,8 @@ import tempfile
 import threading
 import traceback
 
+from hnclip_jax import paths
+
 DEBUG_LOG = "debug.log"
 
 
@@ -40,6 +42,10 @@ def append_jsonl(path: str, row: dict) -> None:
   """Appends `row` as one JSON line. If the write fails part-way (a full disk), the partial line is cut off
   again before the OSError propagates, so the file stays a list of whole lines."""
   data = (json.dumps(row) + "\n").encode()
+  if paths.is_url(path):  # an object store has no append: the object is rewritten whole (GCS shows it whole or not)
+    old = paths.read_bytes(path) if paths.exists(path) else b""
+    paths.write_bytes(path, old + (b"\n" if old and not old.endswith(b"\n") else b"") + data)
+    return
   fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
   try:
     size = os.fstat(fd).st_size
@@ -61,38 +67,27 @@ def append_jsonl(path: str, row: dict) -> None:
 
 def write_text_atomic(path: str, text: str) -> None:
   """A reader sees the old file or the new one, never half of one (a failed write leaves no temp file)."""
-  tmp = f"{path}.tmp{os.getpid()}"
-  try:
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.write(text)
-    os.replace(tmp, path)
-  except OSError:
-    try:
-      os.remove(tmp)
-    except OSError:
-      pass
-    raise
+  paths.write_text(path, text)
 
 
 def read_jsonl(path: str) -> tuple[list[dict], list[tuple[int, str]]]:
   """-> (rows, torn): every line that is a JSON object, and (line number, text) of those that are not (a line cut
   off by a full disk or a kill). A missing file is empty."""
   rows, torn = [], []
-  if not os.path.exists(path):
+  if not paths.exists(path):
     return rows, torn
-  with open(path, "rb") as f:
-    for i, raw in enumerate(f, 1):
-      text = raw.decode("utf-8", errors="replace").strip()
-      if not text:
-        continue
-      try:
-        row = json.loads(text)
-      except ValueError:
-        row = None
-      if isinstance(row, dict):
-        rows.append(row)
-      else:
-        torn.append((i, text))
+  for i, raw in enumerate(paths.read_bytes(path).splitlines(), 1):
+    text = raw.decode("utf-8", errors="replace").strip()
+    if not text:
+      continue
+    try:
+      row = json.loads(text)
+    except ValueError:
+      row = None
+    if isinstance(row, dict):
+      rows.append(row)
+    else:
+      torn.append((i, text))
   return rows, torn
 
 
@@ -105,6 +100,11 @@ def torn_warning(path: str, torn: list[tuple[int, str]]) -> str:
 def check_writable(directory: str, what: str) -> None:
   """Creates `directory` if needed and a probe file in it; StorageError naming `what` if either fails."""
   try:
+    if paths.is_url(directory):  # a bucket: write and remove one probe object under the prefix
+      probe = paths.join(directory, f".write-probe-{os.getpid()}")
+      paths.write_bytes(probe, b"x")
+      paths.remove(probe)
+      return
     os.makedirs(directory, exist_ok=True)
     fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
     try:
@@ -112,12 +112,16 @@ def check_writable(directory: str, what: str) -> None:
     finally:
       os.close(fd)
       os.remove(probe)
-  except OSError as e:
+  except Exception as e:  # noqa: BLE001 (a bucket's client raises its own errors)
+    if not isinstance(e, OSError) and not paths.is_url(directory):
+      raise
     raise StorageError(f"{what} {directory} cannot be written ({describe(e)}); make it writable (or free space) or "
                        "choose another directory. Nothing was changed") from e
 
 
 def free_bytes(directory: str) -> int | None:
+  if paths.is_url(directory):
+    return None  # a bucket has no free space to run out of
   try:
     st = os.statvfs(directory)
   except OSError:
@@ -168,6 +172,8 @@ class _LazyFile:
   def write(self, text: str) -> None:
     if self._f is None:
       try:
+        if paths.is_url(self.path):  # no appends on a bucket: the debug log stays on this host
+          raise OSError("a bucket")
         self._f = open(self.path, "a")
       except OSError:
         fd, self.path = tempfile.mkstemp(prefix="hnclip_jax-debug-", suffix=".log")

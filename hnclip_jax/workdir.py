@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 
 import jax
 
-from hnclip_jax import frameworks, storage
+from hnclip_jax import frameworks, paths, storage
 from hnclip_jax.config import MODEL_RUNTIME_FIELDS, flatten
 from hnclip_jax.data.saved_tokenizer import load_tokenizer
 from hnclip_jax.models import CLIPConfig
@@ -56,37 +55,38 @@ def _write_json(path: str, obj) -> None:
 
 
 def read_model(directory: str) -> CLIPConfig | None:
-  path = os.path.join(directory, MODEL_JSON)
-  if not os.path.exists(path):
+  path = paths.join(directory, MODEL_JSON)
+  if not paths.exists(path):
     return None
-  with open(path) as f:
-    return CLIPConfig.from_dict(frameworks.upgrade_model_dict(json.load(f))).validate()
+  return CLIPConfig.from_dict(frameworks.upgrade_model_dict(json.loads(paths.read_text(path)))).validate()
 
 
 def write_model(directory: str, cfg: CLIPConfig) -> None:
-  _write_json(os.path.join(directory, MODEL_JSON),
+  _write_json(paths.join(directory, MODEL_JSON),
               {k: v for k, v in dataclasses.asdict(cfg).items() if k not in MODEL_RUNTIME_FIELDS})
 
 
 def read_tokenizer(directory: str, required: bool = True):
-  path = os.path.join(directory, TOKENIZER)
-  if not os.path.isdir(path):
+  path = paths.join(directory, TOKENIZER)
+  if not paths.isdir(path):
     if required:
       raise FileNotFoundError(f"no tokenizer in {path}")
     return None
-  return load_tokenizer(path)
+  with paths.local_copy(path) as local:  # the tokenizer libraries read local files; all is in memory after
+    return load_tokenizer(local)
 
 
 def write_tokenizer(directory: str, tokenizer) -> None:
-  tokenizer.save(os.path.join(directory, TOKENIZER))
+  with paths.staged_dir(paths.join(directory, TOKENIZER)) as local:
+    tokenizer.save(local)
 
 
 def is_converted(directory: str) -> bool:
-  return os.path.exists(os.path.join(directory, MODEL_JSON)) and os.path.isdir(os.path.join(directory, PARAMS))
+  return paths.exists(paths.join(directory, MODEL_JSON)) and paths.isdir(paths.join(directory, PARAMS))
 
 
 def is_workdir(directory: str) -> bool:
-  return os.path.isdir(os.path.join(directory, CHECKPOINTS))
+  return paths.isdir(paths.join(directory, CHECKPOINTS))
 
 
 def check_model_compatible(saved: dict | None, model_cfg: CLIPConfig, where: str) -> None:
@@ -129,13 +129,13 @@ class Workdir:
   """A train.py workdir (see the module docstring). Reading never creates anything on disk."""
 
   def __init__(self, path: str):
-    self.path = os.path.abspath(os.path.expanduser(path))
-    self.checkpoints = os.path.join(self.path, CHECKPOINTS)
-    self.model_json = os.path.join(self.path, MODEL_JSON)
-    self.data_json = os.path.join(self.path, DATA_JSON)
-    self.tokenizer_dir = os.path.join(self.path, TOKENIZER)
-    self.eval_results = os.path.join(self.path, EVAL_RESULTS)
-    self.eval_history = os.path.join(self.path, EVAL_HISTORY)
+    self.path = paths.resolve(path, "--workdir")
+    self.checkpoints = paths.join(self.path, CHECKPOINTS)
+    self.model_json = paths.join(self.path, MODEL_JSON)
+    self.data_json = paths.join(self.path, DATA_JSON)
+    self.tokenizer_dir = paths.join(self.path, TOKENIZER)
+    self.eval_results = paths.join(self.path, EVAL_RESULTS)
+    self.eval_history = paths.join(self.path, EVAL_HISTORY)
 
   # ---- model and tokenizer ----
   def model(self) -> CLIPConfig | None:
@@ -146,18 +146,17 @@ class Workdir:
 
   def save_model(self, cfg: CLIPConfig, tokenizer) -> None:
     if jax.process_index() == 0:
-      os.makedirs(self.path, exist_ok=True)
+      paths.makedirs(self.path)
       write_tokenizer(self.path, tokenizer)
       write_model(self.path, cfg)
 
   # ---- data ----
   def data(self) -> dict | None:
     """The data config recorded at the run's first start, or None (a workdir from before data.json existed)."""
-    if not os.path.exists(self.data_json):
+    if not paths.exists(self.data_json):
       return None
     try:
-      with open(self.data_json) as f:
-        return json.load(f)["data"]
+      return json.loads(paths.read_text(self.data_json))["data"]
     except (ValueError, KeyError, TypeError) as e:
       raise ValueError(f"{self.data_json} is damaged ({type(e).__name__}: {e}); it records the data this workdir "
                        "trains on: restore it from a backup, or rewrite it as {\"data\": {...}} with the data "
@@ -174,15 +173,13 @@ class Workdir:
   # ---- checkpoints ----
   def checkpoint_steps(self) -> list[int]:
     """Steps with a finished checkpoint directory (no Orbax manager, nothing created)."""
-    if not os.path.isdir(self.checkpoints):
-      return []
-    return sorted(int(d) for d in os.listdir(self.checkpoints)
-                  if d.isdigit() and os.path.isdir(os.path.join(self.checkpoints, d)))
+    return sorted(int(d) for d in paths.listdir(self.checkpoints)
+                  if d.isdigit() and paths.isdir(paths.join(self.checkpoints, d)))
 
   def checkpointer(self, *, max_to_keep: int = 3, async_save: bool = True, overlap_steps: int | None = None,
                    read_only: bool = False, frozen=None):
     from hnclip_jax import checkpoint
-    if read_only and not os.path.isdir(self.checkpoints):
+    if read_only and not paths.isdir(self.checkpoints):
       raise FileNotFoundError(f"no checkpoints in {self.checkpoints}; train first with "
                               f"train.py --workdir {self.path}")
     return checkpoint.Checkpointer(self.checkpoints, max_to_keep=max_to_keep, async_save=async_save,

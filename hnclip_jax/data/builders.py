@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from jax.experimental import multihost_utils
 
+from hnclip_jax import paths
 from hnclip_jax.data import manual, synthetic
 
 
@@ -95,6 +96,14 @@ def check_data_config(data_config) -> None:
   """Raises naming the config key when the dataset is unknown or its manual folder is not set or missing."""
   if data_config.name not in DATASETS:
     raise ValueError(f"config.data.name={data_config.name!r} is not a known dataset; known: {sorted(DATASETS)}")
+  for key in ("data_dir", "manual_dir"):
+    where = data_config.get(key) or ""
+    if paths.is_url(where):
+      raise ValueError(f"config.data.{key}={where}: the input pipeline reads array_record files through the local "
+                       "file system (grain's ArrayRecordDataSource; its reader opens no URLs), so the data cannot be "
+                       "read from a bucket. Copy the build to a local disk (gcloud storage cp -r "
+                       f"{where} /data/tfds) and pass that directory, or mount the bucket with Cloud Storage FUSE "
+                       "(docs/reliability.md \"Buckets\")")
   if data_config.on_bad_example not in ("error", "skip"):
     raise ValueError(f"config.data.on_bad_example={data_config.on_bad_example!r}; choose 'error' or 'skip'")
   captions = data_config.get("captions", "dense")

@@ -1,0 +1,193 @@
+"""Every directory a user gives may be a local path or a bucket URL (`gs://BUCKET/PATH`): the one place that
+resolves, lists, reads, writes and removes a run's files, on etils `epath` (what Orbax uses; `gs://` through gcsfs).
+
+    resolve(p, flag)      a local path made absolute, or a URL checked (its scheme known); ValueError naming `flag`
+    is_url(p)             True for 'gs://…'
+    join, exists, isdir, listdir, makedirs, read_text, read_bytes, write_text, write_bytes, remove, rmtree
+    write_text(p, s)      atomic: a reader sees the old file or the new one (local: temp file + rename; a bucket:
+                          one object upload, which GCS makes visible whole or not at all)
+    local_copy(dir)       a context manager: a bucket directory's files in a local temp directory (for libraries
+                          that only read local files, e.g. a tokenizer); a local directory as is
+    upload_tree(src, dst) a local directory's files copied to `dst`
+
+An object store has no append and no rename; what the run writes there is designed for that (storage.py,
+preemption.py, metrics.py): a log is rewritten whole as one object, the single-writer guard is a lease object
+created with a generation precondition, and which checkpoints are complete is Orbax's commit marker.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+from etils import epath
+
+# The URL schemes this package writes to. gs:// is what Cloud TPU pods and the GCS emulator use; anything else is
+# refused up front rather than becoming a local directory named after the URL.
+SCHEMES = ("gs",)
+
+
+def is_url(path) -> bool:
+  return "://" in str(path)
+
+
+def scheme(path) -> str:
+  return str(path).split("://", 1)[0] if is_url(path) else ""
+
+
+def resolve(path: str, flag: str = "path") -> str:
+  """A local path made absolute (with ~ expanded), or a URL checked: ValueError naming `flag` for an unknown
+  scheme or a URL without a bucket."""
+  path = str(path)
+  if not is_url(path):
+    return os.path.abspath(os.path.expanduser(path))
+  s = scheme(path)
+  if s not in SCHEMES:
+    raise ValueError(f"{flag}={path}: nothing here opens {s}:// URLs; use a local path or "
+                     f"{' or '.join(x + '://BUCKET/PATH' for x in SCHEMES)}")
+  rest = path.split("://", 1)[1].strip("/")
+  if not rest:
+    raise ValueError(f"{flag}={path} names no bucket; use gs://BUCKET/PATH")
+  return f"{s}://{rest}"
+
+
+def bucket(path: str) -> str:
+  return str(path).split("://", 1)[1].split("/", 1)[0] if is_url(path) else ""
+
+
+def join(base, *parts) -> str:
+  if is_url(base):
+    return "/".join([str(base).rstrip("/"), *(str(p).strip("/") for p in parts)])
+  return os.path.join(str(base), *map(str, parts))
+
+
+def basename(path) -> str:
+  return str(path).rstrip("/").rsplit("/", 1)[-1] if is_url(path) else os.path.basename(str(path))
+
+
+def dirname(path) -> str:
+  return str(path).rstrip("/").rsplit("/", 1)[0] if is_url(path) else os.path.dirname(str(path))
+
+
+def _p(path) -> epath.Path:
+  return epath.Path(str(path))
+
+
+def exists(path) -> bool:
+  return _p(path).exists()
+
+
+def isdir(path) -> bool:
+  return _p(path).is_dir()
+
+
+def isfile(path) -> bool:
+  return exists(path) and not isdir(path)
+
+
+def listdir(path) -> list[str]:
+  """Names (not paths) in a directory; [] when it does not exist."""
+  p = _p(path)
+  if not p.is_dir():
+    return []
+  return sorted(c.name for c in p.iterdir())
+
+
+def makedirs(path) -> None:
+  """Local: creates the directory; a bucket has no directories (a prefix exists once an object is under it)."""
+  if not is_url(path):
+    os.makedirs(path, exist_ok=True)
+
+
+def read_bytes(path) -> bytes:
+  return _p(path).read_bytes()
+
+
+def read_text(path) -> str:
+  return _p(path).read_text()
+
+
+def write_bytes(path, data: bytes) -> None:
+  """Atomic (see the module docstring)."""
+  if is_url(path):
+    _p(path).write_bytes(data)
+    return
+  tmp = f"{path}.tmp{os.getpid()}"
+  try:
+    with open(tmp, "wb") as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except OSError:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+
+
+def write_text(path, text: str) -> None:
+  write_bytes(path, text.encode("utf-8"))
+
+
+def remove(path) -> None:
+  _p(path).unlink()
+
+
+def rmtree(path) -> None:
+  """Removes a directory and everything under it; nothing when it does not exist."""
+  p = _p(path)
+  if p.exists():
+    p.rmtree() if p.is_dir() else p.unlink()
+
+
+def move(src, dst) -> None:
+  """A rename on a local disk; on a bucket a copy of every object then their removal (not atomic)."""
+  if is_url(src):
+    _p(src).rename(dst)
+  else:
+    os.replace(src, dst)
+
+
+def upload_tree(src: str, dst: str) -> None:
+  """Copies the files under local directory `src` to `dst` (local or a bucket), keeping relative paths."""
+  for root, _, files in os.walk(src):
+    rel = os.path.relpath(root, src)
+    for name in files:
+      target = join(dst, name) if rel == "." else join(dst, *rel.split(os.sep), name)
+      if not is_url(target):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+      with open(os.path.join(root, name), "rb") as f:
+        write_bytes(target, f.read())
+
+
+def _download_tree(src: str, dst: str) -> None:
+  for child in _p(src).iterdir():
+    local = os.path.join(dst, child.name)
+    if child.is_dir():
+      os.makedirs(local, exist_ok=True)
+      _download_tree(str(child), local)
+    else:
+      with open(local, "wb") as f:
+        f.write(child.read_bytes())
+
+
+@contextlib.contextmanager
+def local_copy(directory: str):
+  """Yields a local directory holding `directory`'s files: itself when local, else a temp copy removed after."""
+  if not is_url(directory):
+    yield directory
+    return
+  with tempfile.TemporaryDirectory(prefix="hnclip_jax-") as tmp:
+    _download_tree(directory, tmp)
+    yield tmp
+
+
+@contextlib.contextmanager
+def staged_dir(directory: str):
+  """Yields a local directory whose files end up in `directory`: itself when local, else a temp directory
+  uploaded when the block ends without an exception."""
+  if not is_url(directory):
+    os.makedirs(directory, exist_ok=True)
+    yield directory
+    return
+  with tempfile.TemporaryDirectory(prefix="hnclip_jax-") as tmp:
+    yield tmp
+    upload_tree(tmp, directory)
