@@ -18,6 +18,7 @@ if __name__ == "__main__":  # first, before anything imports JAX: re-exec under 
   from hnclip_jax import hostmem
   hostmem.use_tcmalloc()
 
+
 import os
 
 from absl import app, flags
@@ -59,7 +60,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   import jax
-  from hnclip_jax import cli, config as config_lib, experiment, sharding, storage
+  from hnclip_jax import cli, config as config_lib, experiment, paths, sharding, storage
   from hnclip_jax.data import builders
   from hnclip_jax.evaluation import benchmarks as bench_lib, embedding, job
   from hnclip_jax.metrics import log, quiet_libraries
@@ -67,12 +68,12 @@ def main(argv):
 
   quiet_libraries()
   config = config_lib.validate(FLAGS.config)
-  workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
+  workdir = paths.resolve(FLAGS.workdir, "--workdir")
+  if paths.isfile(workdir):
     raise ValueError(f"--workdir={workdir} is a file; pass the directory train.py wrote to")
   if FLAGS.watch and FLAGS.step is None:  # an eval job may start before the training job has set up its workdir
     job.wait_for_run(workdir, FLAGS.watch_poll_s, FLAGS.watch_timeout_s)
-  if not os.path.isdir(workdir):
+  if not paths.isdir(workdir):
     raise FileNotFoundError(f"--workdir={workdir} does not exist; pass the directory train.py wrote to")
   if FLAGS.watch and FLAGS.step is not None:
     raise ValueError(f"--step={FLAGS.step} and --watch: --watch evaluates every new checkpoint as training writes "
@@ -130,7 +131,7 @@ def main(argv):
     best = summary["best"]
     log(f"evaluated steps {summary['evaluated']}" + (f", skipped {summary['skipped']}" if summary["skipped"] else "")
         + (f"; best: step {best['step']} ({config.eval.best_metric} {best['value']:.2f}) in {job.best_dir(workdir)}"
-           if best else "") + f"; history: {wd.eval_history}, TensorBoard: {os.path.join(workdir, job.WATCH_TENSORBOARD)}")
+           if best else "") + f"; history: {wd.eval_history}, TensorBoard: {paths.join(workdir, job.WATCH_TENSORBOARD)}")
     ev.close()
     return
   _meta, params = ev.read(step)
@@ -153,16 +154,18 @@ def main(argv):
     from hnclip_jax.evaluation.report import write_report
     for r, b, (img, txt, caption_image) in zip(rows, benchmarks, embedded):
       _, encoded, captions = ev.data(b)
-      out = os.path.abspath(os.path.expanduser(FLAGS.report))
-      page = write_report(
-          os.path.join(out, b.name) if FLAGS.benchmarks else out, img=img, txt=txt, caption_image=caption_image,
+      out = paths.resolve(FLAGS.report, "--report")
+      target = paths.join(out, b.name) if FLAGS.benchmarks else out
+      with paths.staged_dir(target) as local:  # a bucket: written locally, then uploaded
+        page = write_report(
+          local, img=img, txt=txt, caption_image=caption_image,
           captions=[c for caps in captions for c in caps], image_bytes=lambda row, e=encoded: e[row]["image"],
           recall={"t2i": r["t2i"], "i2t": r["i2t"]}, seed=config.seed, num_samples=FLAGS.report_samples,
           max_failures=FLAGS.report_failures, twin_threshold=FLAGS.report_twin_threshold,
           meta={"workdir": workdir, "step": int(step), "data": experiment.describe_data(b.data), "split": b.split,
                 "images": r["num_images"], "captions": r["num_captions"]})
-      log(f"report: {page}")
-  what = (f"{len(rows)} benchmarks; wrote {os.path.join(workdir, job.EVAL_TABLE)}.md/.json and {wd.eval_results}"
+      log(f"report: {paths.join(target, os.path.basename(page))}")
+  what = (f"{len(rows)} benchmarks; wrote {paths.join(workdir, job.EVAL_TABLE)}.md/.json and {wd.eval_results}"
           if FLAGS.benchmarks else
           f"{embedding.describe_counts(rows[0])} of {experiment.describe_data(benchmarks[0].data)}, split "
           f"'{benchmarks[0].split}'; wrote {wd.eval_results}")

@@ -55,6 +55,27 @@ def bucket(path: str) -> str:
   return str(path).split("://", 1)[1].split("/", 1)[0] if is_url(path) else ""
 
 
+def describe_error(path: str, err: BaseException) -> str:
+  """One line for a failed bucket operation: what is wrong (no such bucket, not authenticated, not allowed) and
+  what to do. Never the request's headers or a token: only the error's type and its first line."""
+  b, text = bucket(path), str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+  low = f"{type(err).__name__} {text}".lower()
+  if isinstance(err, FileNotFoundError) or "404" in low or "not found" in low and "credential" not in low:
+    return (f"bucket gs://{b} does not exist (or the object path is wrong); create it next to the TPUs "
+            f"(gcloud storage buckets create gs://{b} --location=REGION) or fix the URL")
+  if any(k in low for k in ("credential", "401", "unauthenticated", "refresh", "auth")):
+    return (f"no usable Google Cloud credentials for gs://{b} ({type(err).__name__}); run `gcloud auth "
+            "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, or on a "
+            "TPU / GCE VM give its service account access to the bucket")
+  if "403" in low or "permission" in low or "forbidden" in low:
+    return (f"this account may not write gs://{b} ({type(err).__name__}); grant it roles/storage.objectAdmin on "
+            "the bucket or use another one")
+  if "connect" in low or "name or service not known" in low or "timeout" in low:
+    return (f"Cloud Storage cannot be reached for gs://{b} ({type(err).__name__}: {text}); check the network (or "
+            "STORAGE_EMULATOR_HOST for an emulator)")
+  return f"{type(err).__name__}: {text}"
+
+
 def join(base, *parts) -> str:
   if is_url(base):
     return "/".join([str(base).rstrip("/"), *(str(p).strip("/") for p in parts)])

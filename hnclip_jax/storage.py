@@ -115,6 +115,9 @@ def check_writable(directory: str, what: str) -> None:
   except Exception as e:  # noqa: BLE001 (a bucket's client raises its own errors)
     if not isinstance(e, OSError) and not paths.is_url(directory):
       raise
+    if paths.is_url(directory):
+      raise StorageError(f"{what} {directory} cannot be written: {paths.describe_error(directory, e)}. Nothing was "
+                         "changed") from e
     raise StorageError(f"{what} {directory} cannot be written ({describe(e)}); make it writable (or free space) or "
                        "choose another directory. Nothing was changed") from e
 

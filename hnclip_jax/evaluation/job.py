@@ -21,7 +21,7 @@ import time
 
 import jax
 
-from hnclip_jax import experiment, frameworks, sharding, storage
+from hnclip_jax import experiment, frameworks, paths, sharding, storage
 from hnclip_jax.data import builders, pipeline
 from hnclip_jax.evaluation import benchmarks as bench_lib, embedding
 from hnclip_jax.evaluation.retrieval import recall_from_scores
@@ -32,7 +32,7 @@ from hnclip_jax.workdir import Workdir, check_model_compatible, write_model, wri
 BEST = "best"  # WORKDIR/best: the best evaluated step's parameters (model.json, params/, tokenizer/, best.json)
 BEST_JSON = "best.json"
 EVAL_TABLE = "eval_table"  # WORKDIR/eval_table.md and .json: the latest Table 1
-WATCH_TENSORBOARD = os.path.join("tensorboard", "eval")  # beside training's events: a run "eval" in TensorBoard
+WATCH_TENSORBOARD = "tensorboard/eval"  # beside training's events: a run "eval" in TensorBoard
 
 
 class Gone(Exception):
@@ -73,14 +73,14 @@ class Evaluator:
   def read_racing(self, step: int, settle_s: float = 1.0):
     """read(step) while training may delete the step beside us: Gone when it disappears before or while it is
     read (a deletion in progress leaves a partial directory for a moment: looked at again after settle_s)."""
-    path = os.path.join(self.ckpt.directory, str(step))
-    if not os.path.isdir(path):
+    path = paths.join(self.ckpt.directory, str(step))
+    if not paths.isdir(path):
       raise Gone(step)
     try:
       return self.read(step)
     except Exception:  # noqa: BLE001
       time.sleep(settle_s)
-      if not os.path.isdir(path):
+      if not paths.isdir(path):
         raise Gone(step) from None
       raise
 
@@ -121,7 +121,7 @@ def write_table(wd: Workdir, tab: dict) -> str:
   md = bench_lib.markdown(tab)
   if jax.process_index() == 0:
     for ext, text in (("md", md), ("json", json.dumps(tab, indent=2))):
-      path = os.path.join(wd.path, f"{EVAL_TABLE}.{ext}")
+      path = paths.join(wd.path, f"{EVAL_TABLE}.{ext}")
       try:
         storage.write_text_atomic(path, text)
       except OSError as e:
@@ -131,22 +131,34 @@ def write_table(wd: Workdir, tab: dict) -> str:
 
 
 def best_dir(workdir: str) -> str:
-  return os.path.join(workdir, BEST)
+  return paths.join(workdir, BEST)
 
 
 def read_best(workdir: str) -> dict | None:
-  path = os.path.join(best_dir(workdir), BEST_JSON)
-  if not os.path.exists(path):
+  path = paths.join(best_dir(workdir), BEST_JSON)
+  if not paths.exists(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  return json.loads(paths.read_text(path))
 
 
 def export_best(wd: Workdir, params, model_cfg, tokenizer, info: dict) -> None:
   """Writes the parameters to WORKDIR/best (a converted directory + best.json), replacing the previous best only
-  once the new one is complete: a reader sees the old best or the new one."""
+  once the new one is complete: a reader sees the old best or the new one. A bucket cannot rename: there the old
+  best is removed and the new one written in place, best.json last (a best/ without best.json is incomplete)."""
   import orbax.checkpoint as ocp
   final = best_dir(wd.path)
+  if paths.is_url(final):
+    try:
+      paths.rmtree(final)
+      with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(paths.join(final, "params"), params, force=True)
+      write_model(final, model_cfg)
+      write_tokenizer(final, tokenizer)
+      storage.write_text_atomic(paths.join(final, BEST_JSON), json.dumps(info, indent=2))
+    except OSError as e:
+      raise storage.StorageError(f"writing the best checkpoint (step {info['step']}) to {final} failed "
+                                 f"({storage.describe(e)}); restart the eval job (it resumes where it stopped)") from e
+    return
   tmp, old = final + ".tmp", final + ".old"
   shutil.rmtree(tmp, ignore_errors=True)
   try:
@@ -172,7 +184,7 @@ def finished_steps(wd: Workdir) -> list[int]:
   out = []
   for s in wd.checkpoint_steps():
     try:
-      if ocp_step.is_checkpoint_finalized(os.path.join(wd.checkpoints, str(s))):
+      if ocp_step.is_checkpoint_finalized(paths.join(wd.checkpoints, str(s))):
         out.append(s)
     except Exception:  # noqa: BLE001 — deleted while we looked
       pass
@@ -194,8 +206,8 @@ def watched_steps(rows: list[dict], benchmarks: list, score: str) -> set[int]:
 def wait_for_run(workdir: str, poll_s: float, timeout_s: float, clock=time.monotonic, sleep=time.sleep) -> None:
   """Waits until train.py has set up `workdir` (its model.json, written before the first step); raises after
   timeout_s."""
-  path, start, said = os.path.join(workdir, "model.json"), clock(), False
-  while not os.path.exists(path):
+  path, start, said = paths.join(workdir, "model.json"), clock(), False
+  while not paths.exists(path):
     if clock() - start > timeout_s:
       raise FileNotFoundError(f"no training run appeared in --workdir={workdir} within {timeout_s:g} s "
                               f"(--watch_timeout_s): {path} is missing. Start train.py with that --workdir, or check "
@@ -232,7 +244,7 @@ def watch(ev: Evaluator, *, poll_s: float, timeout_s: float, newest_only: bool, 
           f"{best['value']:.2f}), which is not exported again: the next better step will be")
   if done:
     log(f"already evaluated by an earlier watcher (eval_history.jsonl): steps {sorted(done)}")
-  writer = MetricsWriter(wd.path, jsonl=None, tb_dir=os.path.join(wd.path, WATCH_TENSORBOARD))
+  writer = MetricsWriter(wd.path, jsonl=None, tb_dir=paths.join(wd.path, WATCH_TENSORBOARD))
   evaluated, skipped = [], []
   last_new = clock()
   seen = set(done)

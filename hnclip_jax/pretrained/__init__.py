@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnclip_jax import frameworks, workdir as workdir_format
+from hnclip_jax import frameworks, paths, workdir as workdir_format
 from hnclip_jax.data import pipeline
 from hnclip_jax.models import CLIPConfig, abstract_model, bind
 from hnclip_jax.pretrained import weights
@@ -112,10 +112,10 @@ class Pretrained:
   def save(self, out_dir: str) -> None:
     """Writes an Orbax checkpoint of the parameters, model.json and the tokenizer: loadable without PyTorch."""
     import orbax.checkpoint as ocp
-    out_dir = os.path.abspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = paths.resolve(out_dir, "output directory")
+    paths.makedirs(out_dir)
     with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(os.path.join(out_dir, workdir_format.PARAMS), self.params, force=True)
+      ckptr.save(paths.join(out_dir, workdir_format.PARAMS), self.params, force=True)
     workdir_format.write_model(out_dir, self.config)
     if self.tokenizer is not None:
       workdir_format.write_tokenizer(out_dir, self.tokenizer)
@@ -144,7 +144,7 @@ def _load_converted(path: str) -> Pretrained:
   cfg = workdir_format.read_model(path)
   _, abstract = abstract_model(cfg)
   with ocp.StandardCheckpointer() as ckptr:
-    params = ckptr.restore(os.path.join(path, workdir_format.PARAMS), abstract)
+    params = ckptr.restore(paths.join(path, workdir_format.PARAMS), abstract)
   return Pretrained(cfg, params, workdir_format.read_tokenizer(path, required=False), path)
 
 
@@ -172,12 +172,12 @@ WEIGHT_SUFFIXES = (".pt", ".pth", ".bin")
 
 def check_source(path: str, what: str = "path") -> None:
   """Cheap check (nothing is read) that `path` is something `load` reads; raises naming `what` and the fix."""
-  full = os.path.abspath(os.path.expanduser(path))
-  if not os.path.exists(full):
+  full = paths.resolve(path, what)
+  if not paths.exists(full):
     raise FileNotFoundError(f"{what}={path!r}: {full} does not exist; expected a Hugging Face CLIP directory, an "
                             "OpenAI-format .pt file, a converted directory or a train.py workdir")
-  if os.path.isdir(full):
-    if workdir_format.is_converted(full) or os.path.exists(os.path.join(full, "config.json")):
+  if paths.isdir(full):
+    if workdir_format.is_converted(full) or paths.exists(paths.join(full, "config.json")):
       return
     if workdir_format.is_workdir(full):
       if not workdir_format.Workdir(full).checkpoint_steps():
@@ -194,25 +194,33 @@ def load(path: str, step: int | str | None = None) -> Pretrained:
   """Loads CLIP weights from any supported source (see the module docstring); the architecture is inferred.
   `step`: which checkpoint of a train.py workdir (default: the newest; "best": the best step an `eval.py --watch`
   job kept in WORKDIR/best); only for workdirs."""
-  path = os.path.abspath(os.path.expanduser(path))
+  path = paths.resolve(path, "path")
   if step == "best":
-    best = os.path.join(path, "best")
+    best = paths.join(path, "best")
     if not workdir_format.is_converted(best):
       raise FileNotFoundError(f"{path} has no best checkpoint ({best} is missing): `eval.py --watch` keeps the best "
                               "evaluated step there; pass a step number instead, or run it")
     return _load_converted(best)
   check_source(path)
-  if step is not None and not (os.path.isdir(path) and workdir_format.is_workdir(path)):
+  if step is not None and not (paths.isdir(path) and workdir_format.is_workdir(path)):
     raise ValueError(f"step={step} was given, but {path} is not a train.py workdir (only workdirs have steps)")
-  if os.path.isdir(path):
+  if paths.isdir(path):
     if workdir_format.is_converted(path):
       return _load_converted(path)
     if workdir_format.is_workdir(path):
       return _load_workdir(path, step)
+    if paths.is_url(path):  # PyTorch / safetensors files and tokenizers are read from a local copy
+      with paths.local_copy(path) as local:
+        got = load(local)
+      return Pretrained(got.config, got.params, got.tokenizer, path)
     cfg, params = weights.read_hf_directory(path)
     if cfg.family == "siglip":
       from hnclip_jax.data.siglip_tokenizer import SigLIPTokenizer
       return Pretrained(cfg, params, SigLIPTokenizer.from_directory(path, cfg.text_context), path)
     return Pretrained(cfg, params, _tokenizer_near(path, cfg.text_context), path)
+  if paths.is_url(path):  # an OpenAI .pt file (and a tokenizer beside it) from a local copy of its directory
+    with paths.local_copy(paths.dirname(path)) as local:
+      got = load(os.path.join(local, paths.basename(path)))
+    return Pretrained(got.config, got.params, got.tokenizer, path)
   cfg, params = weights.read_openai_file(path)
   return Pretrained(cfg, params, _tokenizer_near(os.path.dirname(path), cfg.text_context), path)

@@ -25,10 +25,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 
 import numpy as np
 from absl import app, flags
 
+from hnclip_jax import paths
 from hnclip_jax.cli import clean_errors
 from hnclip_jax.data.tokenizer import EOT, PAD, SOT, UNK
 
@@ -349,7 +351,17 @@ def main(argv):
   if fmt == "openai":
     check_openai_out(out)  # before loading anything
   model = pretrained.load(argv[1], step=flags.FLAGS.step).merged()  # LoRA / DoRA adapters folded in first
-  warnings = export_hf(model, out) if fmt == "hf" else export_openai(model, out)
+  out = paths.resolve(out, "OUT")
+  if fmt == "hf":
+    with paths.staged_dir(out) as local:  # a bucket: written locally, uploaded when complete
+      warnings = export_hf(model, local)
+  elif paths.is_url(out):
+    with tempfile.TemporaryDirectory(prefix="hnclip_jax-") as tmp:
+      warnings = export_openai(model, os.path.join(tmp, paths.basename(out)))
+      with open(os.path.join(tmp, paths.basename(out)), "rb") as f:
+        paths.write_bytes(out, f.read())
+  else:
+    warnings = export_openai(model, out)
   for w in warnings:
     print(f"warning: {w}")
   what = f"Hugging Face {'SiglipModel' if model.config.family == 'siglip' else 'CLIPModel'}" if fmt == "hf" else ("Long-CLIP state dict" if model.config.text_context ==

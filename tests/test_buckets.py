@@ -1,0 +1,146 @@
+"""Workdirs on a bucket (gs://), against a real GCS emulator (fake-gcs-server on 127.0.0.1, tests/gcs.py): training,
+resuming and evaluating there give what a local workdir gives, nothing named after the URL appears on the local
+disk, and what cannot work is refused in one line."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, assert_error_exit, metrics_rows, run_py
+from gcs import Emulator
+
+BASE = ["--config", "configs/demo.py:test", "--config.total_steps=6", "--config.checkpoint_every=2",
+        "--config.log_every=1", "--config.eval_every=100", "--config.max_to_keep=10"]
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+  emu = Emulator(str(tmp_path_factory.mktemp("gcs"))).start()
+  emu.make_bucket("bkt")
+  yield emu
+  emu.stop()
+
+
+def train(gcs, workdir, tfds_dir, *extra, check=True):
+  return run_py(["train.py", *BASE, "--workdir", str(workdir), f"--config.data.data_dir={tfds_dir}", *extra],
+                env_extra=gcs.env, check=check)
+
+
+def evaluate(gcs, workdir, *extra):
+  return run_py(["eval.py", "--config", "configs/demo.py:test", "--workdir", str(workdir), *extra],
+                env_extra=gcs.env)
+
+
+def bucket_rows(gcs, name):
+  return [json.loads(line) for line in gcs.read("bkt", name).decode().splitlines() if line.strip()]
+
+
+def no_perf(rows):
+  return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def test_train_resume_and_eval_on_a_bucket_match_a_local_disk(gcs, tfds_dir, tmp_path):
+  local = tmp_path / "local"
+  train(gcs, local, tfds_dir)
+  out = train(gcs, "gs://bkt/run", tfds_dir)
+  assert "done: 6 steps; checkpoints in gs://bkt/run/checkpoints" in out.stdout
+  assert not os.path.exists(os.path.join(ROOT, "gs:")) and not os.path.exists("gs:")  # no directory named after it
+  names = gcs.objects("bkt", "run/")
+  for want in ("run/model.json", "run/data.json", "run/metrics.jsonl", "run/tokenizer/tokenizer_meta.json",
+               *(f"run/checkpoints/{s}/commit_success.txt" for s in (2, 4, 6))):
+    assert want in names, (want, names)
+  assert "run/.lease" not in names  # released at the end of the run
+  assert no_perf(bucket_rows(gcs, "run/metrics.jsonl")) == metrics_rows(local)  # bit for bit
+
+  # TensorBoard reads the event file the run uploaded: every logged loss, in order.
+  from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+  events = [n for n in names if n.startswith("run/tensorboard/events.out.tfevents")]
+  assert len(events) == 1, names
+  path = tmp_path / "events"
+  path.write_bytes(gcs.read("bkt", events[0]))
+  losses = [(e.step, v.tensor.float_val[0]) for e in EventFileLoader(str(path)).Load() for v in e.summary.value
+            if v.tag == "loss"]
+  assert losses == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in metrics_rows(local) if "loss" in r]
+  assert len(losses) == 6
+
+  # A run killed after step 4 (checkpoint 6 never written): a plain rerun resumes from the bucket, bit-identically.
+  before = bucket_rows(gcs, "run/metrics.jsonl")
+  for name in gcs.objects("bkt", "run/checkpoints/6/"):
+    gcs.delete("bkt", name)
+  out = train(gcs, "gs://bkt/run", tfds_dir)
+  assert "resumed from gs://bkt/run/checkpoints/4 (step 4)" in out.stdout
+  assert no_perf(bucket_rows(gcs, "run/metrics.jsonl")) == no_perf(before)
+
+  # eval.py reads the bucket workdir and records its result there; the same recall as the local workdir's.
+  evaluate(gcs, local)
+  evaluate(gcs, "gs://bkt/run")
+  with open(local / "eval_results.json") as f:
+    want = json.load(f)
+  got = json.loads(gcs.read("bkt", "run/eval_results.json"))
+  assert got["step"] == want["step"] == 6
+  assert (got["t2i"], got["i2t"]) == (want["t2i"], want["i2t"])
+  assert len(bucket_rows(gcs, "run/eval_history.jsonl")) == 1
+
+
+def test_what_a_bucket_cannot_do_is_refused_in_one_line(gcs, tfds_dir):
+  proc = train(gcs, "s4://bkt/run", tfds_dir, check=False)
+  assert_error_exit(proc, "--workdir=s4://bkt/run", "s4://", "gs://BUCKET/PATH")
+  start = time.monotonic()
+  proc = train(gcs, "gs://no-such-bucket/run", tfds_dir, check=False)
+  assert_error_exit(proc, "gs://no-such-bucket/run")
+  assert time.monotonic() - start < 60
+  proc = train(gcs, "gs://bkt/data-run", "gs://bkt/tfds", check=False)
+  assert_error_exit(proc, "config.data.data_dir=gs://bkt/tfds", "Cloud Storage FUSE")
+  assert not gcs.objects("bkt", "data-run/checkpoints/")  # refused before anything was written
+  assert not os.path.exists(os.path.join(ROOT, "s4:")) and not os.path.exists(os.path.join(ROOT, "gs:"))
+
+
+def test_the_bucket_lease_refuses_a_second_run_and_frees_a_dead_ones(gcs, tfds_dir):
+  held = {"host": "another-host", "pid": 1, "renewed": time.time()}
+  gcs.write("bkt", "leased/.lease", json.dumps(held).encode())
+  proc = train(gcs, "gs://bkt/leased", tfds_dir, "--config.total_steps=2", check=False)
+  assert_error_exit(proc, "another train.py (host another-host, pid 1) holds gs://bkt/leased/.lease")
+  assert json.loads(gcs.read("bkt", "leased/.lease")) == held  # left as it was
+  # A lease whose process on this host is gone (a SIGKILLed run) is taken over at once.
+  import socket
+  import subprocess
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  gcs.write("bkt", "leased/.lease",
+            json.dumps({"host": socket.gethostname(), "pid": dead.pid, "renewed": time.time()}).encode())
+  out = train(gcs, "gs://bkt/leased", tfds_dir, "--config.total_steps=2")
+  assert "done: 2 steps" in out.stdout
+  assert "leased/.lease" not in gcs.objects("bkt", "leased/")
+  losses = [r["loss"] for r in bucket_rows(gcs, "leased/metrics.jsonl") if "loss" in r]
+  assert len(losses) == 2 and np.isfinite(losses).all()
+
+
+def test_two_processes_train_into_the_bucket_are_killed_and_resume_bit_identically(gcs, tfds_dir, tmp_path):
+  """2 processes × 4 CPU devices write one workdir on the emulator (each its own checkpoint shards); both are
+  SIGKILLed once checkpoints 1 and 2 landed, and a plain rerun (the lease of the dead process 0 taken over) ends
+  with the metrics of an uninterrupted two-process run on a local disk, bit for bit."""
+  import signal
+  from conftest import run_processes, start_processes
+  args = ["train.py", "--config", "configs/demo.py:test", "--config.total_steps=3", "--config.log_every=1",
+          "--config.eval_every=3", "--config.checkpoint_every=1", f"--config.data.data_dir={tfds_dir}"]
+  straight = str(tmp_path / "straight")
+  run_processes([*args, "--workdir", straight], num_processes=2, devices_per_process=4)
+  procs = start_processes([*args, "--workdir", "gs://bkt/two"], num_processes=2, devices_per_process=4,
+                          env_extra={**gcs.env, "HNCLIP_FAULT": "kill_after_saves@3"})
+  for p in procs:
+    p.communicate(timeout=600)
+  assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
+  names = gcs.objects("bkt", "two/")
+  assert "two/checkpoints/2/commit_success.txt" in names and "two/.lease" in names  # left by the killed run
+  procs = start_processes([*args, "--workdir", "gs://bkt/two"], num_processes=2, devices_per_process=4,
+                          env_extra=gcs.env)
+  outs = [p.communicate(timeout=600) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:]
+  assert "resumed from gs://bkt/two/checkpoints/2 (step 2)" in outs[0][0], outs[0][0][-2000:]
+  assert bucket_rows(gcs, "two/metrics.jsonl") and no_perf(bucket_rows(gcs, "two/metrics.jsonl")) == \
+      metrics_rows(straight)
