@@ -210,8 +210,9 @@ def main(argv):
     except storage.StorageError as e:  # a log or event file: say what survived and what to do
       if isinstance(e, checkpoint.CheckpointError):
         raise
-      raise storage.StorageError(f"{e}; {ckpt.intact_note()}. Free space or fix the directory, then rerun the "
-                                 "same command to resume") from e
+      fix = ("Once the bucket answers again (docs/buckets.md)," if paths.is_url(workdir) else
+             "Free space or fix the directory, then")
+      raise storage.StorageError(f"{e}; {ckpt.intact_note()}. {fix} rerun the same command to resume") from e
   except BaseException:
     profiler.stop()  # a run that fails inside the traced steps still leaves its trace
     ckpt.close(quiet=True)  # never let a library error while closing hide the one that ended the run

@@ -245,7 +245,12 @@ class Checkpointer:
       return []
 
   def intact_note(self) -> str:
-    done = self.finished_steps()
+    try:
+      done = sorted(int(d) for d in paths.listdir(self.directory)
+                    if d.isdigit() and ocp.step.is_checkpoint_finalized(paths.join(self.directory, d)))
+    except Exception as e:  # noqa: BLE001 (the storage that failed the run may not answer this either)
+      return (f"the checkpoints in {self.directory} could not be listed ({storage.describe(e)}); those already "
+              "complete are not touched by a failed run")
     return (f"the complete checkpoints ({', '.join(f'{self.directory}/{s}' for s in done)}) are kept" if done
             else "no checkpoint is complete yet")
 
