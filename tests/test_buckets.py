@@ -86,6 +86,16 @@ def test_train_resume_and_eval_on_a_bucket_match_a_local_disk(gcs, tfds_dir, tmp
   assert (got["t2i"], got["i2t"]) == (want["t2i"], want["i2t"])
   assert len(bucket_rows(gcs, "run/eval_history.jsonl")) == 1
 
+  # The eval watcher follows the bucket run: every checkpoint evaluated, the best exported there (best.json last).
+  out = evaluate(gcs, "gs://bkt/run", "--watch", "--watch_poll_s=1", "--watch_timeout_s=60")
+  assert "evaluated steps [2, 4, 6]" in out.stdout, out.stdout[-2000:]
+  watched = [r for r in bucket_rows(gcs, "run/eval_history.jsonl") if r.get("job") == "watch"]
+  assert [r["step"] for r in watched] == [2, 4, 6]
+  assert watched[-1]["t2i"] == got["t2i"]
+  best = json.loads(gcs.read("bkt", "run/best/best.json"))
+  assert best["step"] in (2, 4, 6)
+  assert {"run/best/model.json", "run/best/params/commit_success.txt"} <= set(gcs.objects("bkt", "run/best/"))
+
 
 def test_what_a_bucket_cannot_do_is_refused_in_one_line(gcs, tfds_dir):
   proc = train(gcs, "s4://bkt/run", tfds_dir, check=False)
