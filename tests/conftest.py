@@ -29,7 +29,8 @@ jax.config.update("jax_compilation_cache_dir", CACHE)
 # Groups are handed out longest first (seconds from tests/durations.json, tests/record_durations.py refreshes it),
 # so the long ones overlap instead of ending the run alone.
 SPLIT = {"test_reliability", "test_multihost", "test_benchmarks", "test_compile_for", "test_pretrained",
-         "test_frameworks", "test_adapters", "test_goal", "test_structxlip", "test_datasets", "test_siglip"}
+         "test_frameworks", "test_adapters", "test_goal", "test_structxlip", "test_datasets", "test_siglip",
+         "test_buckets"}
 # The inner loop (`python -m pytest -m quick tests`, docs/testing.md): the loss, objective, sharding-equivalence,
 # config and data checks that most changes touch.
 QUICK = {"test_losses", "test_objective", "test_model", "test_data", "test_workdir", "test_retrieval",
