@@ -186,3 +186,20 @@ def test_a_server_that_stops_mid_run_ends_it_in_one_line_and_a_rerun_resumes(tmp
     assert no_perf(bucket_rows(emu, "fault/metrics.jsonl")) == metrics_rows(local)
   finally:
     emu.stop()
+
+
+def test_weights_paths_may_be_buckets(gcs, tfds_dir):
+  """pretrained export and convert read and write buckets, and config.init_from starts from one: a bucket workdir
+  exported to a Hugging Face directory on the bucket, converted back onto the bucket and used as init_from trains
+  exactly as init_from=the workdir itself."""
+  short = ["--config.total_steps=2", "--config.checkpoint_every=2"]
+  train(gcs, "gs://bkt/w", tfds_dir, *short)
+  out = run_py(["-m", "hnclip_jax.pretrained.export", "gs://bkt/w", "gs://bkt/hf", "--format=hf"], env_extra=gcs.env)
+  assert "wrote gs://bkt/hf (Hugging Face CLIPModel) from gs://bkt/w (step 2)" in out.stdout
+  assert {"hf/config.json", "hf/model.safetensors", "hf/tokenizer.json"} <= set(gcs.objects("bkt", "hf/"))
+  run_py(["-m", "hnclip_jax.pretrained.convert", "gs://bkt/hf", "gs://bkt/conv"], env_extra=gcs.env)
+  train(gcs, "gs://bkt/from-conv", tfds_dir, *short, "--config.init_from=gs://bkt/conv")
+  train(gcs, "gs://bkt/from-run", tfds_dir, *short, "--config.init_from=gs://bkt/w")
+  a, b = (no_perf(bucket_rows(gcs, f"{w}/metrics.jsonl")) for w in ("from-conv", "from-run"))
+  assert len([r for r in a if "loss" in r]) == 2 and a == b
+  assert a != no_perf(bucket_rows(gcs, "w/metrics.jsonl"))  # it did start from the trained weights
