@@ -166,6 +166,7 @@ class Lease:
 
   def release(self) -> None:
     self._stop.set()
+    self._thread.join(timeout=30)  # a renewal in flight must not land after the removal below
     try:
       self._fs.rm(self._key)
     except Exception:  # noqa: BLE001
