@@ -27,6 +27,9 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--presets", default="tiny,vit_l14")
   p.add_argument("--reps", type=int, default=2)
+  p.add_argument("--state", default="train", choices=["train", "params"],
+                 help="train: parameters + AdamW's two moments (what train.py saves); params: parameters only")
+  p.add_argument("--targets", default="local,bucket")
   a = p.parse_args()
   from gcs import Emulator
   emu = Emulator(tempfile.mkdtemp(prefix="gcs-bench-")).start()
@@ -44,13 +47,13 @@ def main():
       over = {"text_context": 248} if preset == "vit_l14" else {}
       cfg = CLIPConfig(**dict(model_config(preset, **over))).validate()
       params = jax.device_get(init_params(cfg, 0)[1])
-      state = {"step": np.int32(1), "params": params, "mu": params, "nu": params}
+      state = {"step": np.int32(1), "params": params, **({"mu": params, "nu": params} if a.state == "train" else {})}
       nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
       abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
                                                              sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
                               state)
       state = jax.device_put(state)
-      for target in ("local", "bucket"):
+      for target in a.targets.split(","):
         times = {"blocked_s": [], "save_s": [], "restore_s": []}
         for rep in range(a.reps):
           where = (tempfile.mkdtemp(prefix="ckpt-bench-") + "/checkpoints" if target == "local"
@@ -69,7 +72,7 @@ def main():
           times["restore_s"].append(time.perf_counter() - t)
           assert step == 1
           ck.close()
-        row = {"preset": preset, "target": target, "state_MB": round(nbytes / 1e6, 1),
+        row = {"preset": preset, "target": target, "state": a.state, "state_MB": round(nbytes / 1e6, 1),
                **{k: round(statistics.median(v), 3) for k, v in times.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)
