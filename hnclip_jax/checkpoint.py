@@ -239,15 +239,17 @@ class Checkpointer:
     """Steps whose checkpoint directory is complete: Orbax's own finalisation (a rename on a local disk; on a bucket,
     which cannot rename, its commit marker inside the step's directory)."""
     try:
-      return sorted(int(d) for d in paths.listdir(self.directory)
-                    if d.isdigit() and ocp.step.is_checkpoint_finalized(paths.join(self.directory, d)))
+      return self._committed_steps()
     except OSError:
       return []
 
+  def _committed_steps(self) -> list[int]:
+    return sorted(int(d) for d in paths.listdir(self.directory)
+                  if d.isdigit() and ocp.step.is_checkpoint_finalized(paths.join(self.directory, d)))
+
   def intact_note(self) -> str:
     try:
-      done = sorted(int(d) for d in paths.listdir(self.directory)
-                    if d.isdigit() and ocp.step.is_checkpoint_finalized(paths.join(self.directory, d)))
+      done = self._committed_steps()
     except Exception as e:  # noqa: BLE001 (the storage that failed the run may not answer this either)
       return (f"the checkpoints in {self.directory} could not be listed ({storage.describe(e)}); those already "
               "complete are not touched by a failed run")

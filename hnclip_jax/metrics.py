@@ -46,7 +46,8 @@ class MetricsWriter:
     self._tb = None
     # A bucket has no append: the events are written to a local file and that file is uploaded whole, as one object,
     # after every flush (what TensorFlow's gfile does on GCS), so TensorBoard never reads a half-written file.
-    self._staging = tempfile.TemporaryDirectory(prefix="hnclip_jax-tb-") if paths.is_url(self.tb_dir) else None
+    self._staging = (tempfile.TemporaryDirectory(prefix="hnclip_jax-tb-")
+                     if self.enabled and paths.is_url(self.tb_dir) else None)
     if self.enabled:
       # TensorBoard's own event writer (no TensorFlow needed): unlike tensorboardX's, its writer thread hands a
       # failed write back to the caller, so a full disk cannot leave flush() waiting forever.

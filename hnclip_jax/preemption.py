@@ -133,7 +133,10 @@ class Lease:
         raise ValueError(f"another train.py (host {held.get('host')}, pid {held.get('pid')}) holds {path}, renewed "
                          f"{age:.0f} s ago; wait for it to finish, or — if that run is gone — for the lease to "
                          f"expire ({LEASE_TTL_S - age:.0f} s) or delete {path}, or use another --workdir")
-      self._fs.rm(self._key)  # stale: taken over
+      self._fs.rm(self._key)  # stale: taken over, and said so
+      print(f"taking over {path}: its holder (host {held.get('host') if held else '?'}, pid "
+            f"{held.get('pid') if held else '?'}) " + ("is gone" if dead_here else "stopped renewing it "
+            f"{age:.0f} s ago"), flush=True)
       if not self._create():
         raise ValueError(f"another train.py took {path} at the same moment; use another --workdir")
     self._thread = threading.Thread(target=self._renew, name="lease", daemon=True)

@@ -125,6 +125,8 @@ def test_the_bucket_lease_refuses_a_second_run_and_frees_a_dead_ones(gcs, tfds_d
             json.dumps({"host": socket.gethostname(), "pid": dead.pid, "renewed": time.time()}).encode())
   out = train(gcs, "gs://bkt/leased", tfds_dir, "--config.total_steps=2")
   assert "done: 2 steps" in out.stdout
+  assert f"taking over gs://bkt/leased/.lease: its holder (host {socket.gethostname()}, pid {dead.pid}) is gone" \
+      in out.stdout
   assert "leased/.lease" not in gcs.objects("bkt", "leased/")
   losses = [r["loss"] for r in bucket_rows(gcs, "leased/metrics.jsonl") if "loss" in r]
   assert len(losses) == 2 and np.isfinite(losses).all()
