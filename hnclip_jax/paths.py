@@ -16,9 +16,12 @@ created with a generation precondition, and which checkpoints are complete is Or
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import tempfile
+import threading
 
 from etils import epath
 
@@ -48,6 +51,11 @@ def resolve(path: str, flag: str = "path") -> str:
   rest = path.split("://", 1)[1].strip("/")
   if not rest:
     raise ValueError(f"{flag}={path} names no bucket; use gs://BUCKET/PATH")
+  # Outside an emulator a bucket path needs credentials: an anonymous client can write no workdir, and finding
+  # that out from the server takes gcsfs ~15 s of bucket-type probing and then an unhelpful error.
+  problem = credentials_problem()
+  if problem is not None:
+    raise ValueError(f"{flag}={path}: {describe_error(path, problem)}")
   return f"{s}://{rest}"
 
 
@@ -59,6 +67,8 @@ def describe_error(path: str, err: BaseException) -> str:
   """One line for a failed bucket operation: what is wrong (no such bucket, not authenticated, not allowed) and
   what to do. Never the request's headers or a token: only the error's type and its first line."""
   b, text = bucket(path), str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+  if is_url(path) and not isinstance(err, FileNotFoundError) and credentials_problem() is not None:
+    err, text = credentials_problem(), "no Application Default Credentials found"
   low = f"{type(err).__name__} {text}".lower()
   if isinstance(err, FileNotFoundError) or "404" in low or "not found" in low and "credential" not in low:
     return (f"bucket gs://{b} does not exist (or the object path is wrong); create it next to the TPUs "
@@ -90,7 +100,88 @@ def dirname(path) -> str:
   return str(path).rstrip("/").rsplit("/", 1)[0] if is_url(path) else os.path.dirname(str(path))
 
 
+class Unreachable(ConnectionError):
+  """The storage host refused the connection or its name did not resolve, past the quick retries below."""
+
+
+# A bucket path fails in seconds, not minutes, when nothing answers: gcsfs retries every connection error six times
+# with backoff up to 32 s (tried: ~35 s per call, ~160 s before a run stopped on a dead server). A refused
+# connection or an unknown host name is not an answer GCS gives under load, so it gets a few quick tries and then
+# ends the call; what GCS does answer under load (429, 5xx, timeouts, resets) keeps gcsfs' own backoff.
+UNREACHABLE_RETRY_DELAYS_S = (0.5, 1.0, 2.0)
+_configured = threading.Lock()
+_done = []
+
+
+def _bounded_gcs_class():
+  import aiohttp
+  import fsspec
+  from gcsfs import retry as gcs_retry
+  base = fsspec.get_filesystem_class("gcs")
+  undecorated = base._request.__wrapped__  # gcsfs' request without its retry decorator
+
+  async def request(self, *args, **kwargs):
+    for delay in (*UNREACHABLE_RETRY_DELAYS_S, None):
+      try:
+        return await undecorated(self, *args, **kwargs)
+      except aiohttp.ClientConnectorError as e:  # refused / DNS (not a timeout, reset or HTTP status)
+        if delay is None:
+          raise Unreachable(str(e)) from None
+        await asyncio.sleep(delay)
+
+  request.__name__ = "_request"
+  return type("BoundedRetryGCSFileSystem", (base,),
+              {"_request": gcs_retry.retry_request(retries=base.retries)(request)})
+
+
+def configure_clients() -> None:
+  """Once per process, before the first bucket call: gs:// through gcsfs with the bounded retries above, its
+  retry log (a traceback per failed call) kept off the console — a failure reaches the user as one line from
+  describe_error. (Credentials are checked by resolve.)"""
+  with _configured:
+    if _done:
+      return
+    import fsspec
+    cls = _bounded_gcs_class()
+    for name in ("gs", "gcs"):
+      fsspec.register_implementation(name, cls, clobber=True)
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+    _done.append(True)
+
+
+def credentials_problem() -> BaseException | None:
+  """Outside an emulator: the error finding Application Default Credentials, or None when there are some (looked
+  up once per process: ~0.3 s)."""
+  if os.environ.get("STORAGE_EMULATOR_HOST"):
+    return None
+  if not _credentials:
+    _credentials.append(_find_credentials())
+  return _credentials[0]
+
+
+_credentials = []
+
+
+def _find_credentials() -> BaseException | None:
+  import google.auth
+  import google.auth.exceptions
+  try:
+    google.auth.default()
+    return None
+  except google.auth.exceptions.DefaultCredentialsError as e:
+    return e
+
+
+def filesystem():
+  """The gcsfs filesystem every bucket call goes through (configure_clients' bounded retries)."""
+  import fsspec
+  configure_clients()
+  return fsspec.filesystem("gcs", finalize_on_close=True)
+
+
 def _p(path) -> epath.Path:
+  if is_url(path):
+    configure_clients()
   return epath.Path(str(path))
 
 

@@ -120,8 +120,7 @@ class Lease:
   gcsfs' create-only mode (GCS `ifGenerationMatch=0`), so of two runs starting at once exactly one gets it."""
 
   def __init__(self, path: str):
-    import gcsfs  # only bucket workdirs need it (etils.epath opens gs:// with it too)
-    self.path, self._fs = path, gcsfs.GCSFileSystem()
+    self.path, self._fs = path, paths.filesystem()
     self._key = path.split("://", 1)[1]
     self._me = {"host": socket.gethostname(), "pid": os.getpid()}
     self._stop = threading.Event()
