@@ -61,6 +61,8 @@ def is_transient(err: BaseException) -> bool:
   seen = set()
   while err is not None and id(err) not in seen:
     seen.add(id(err))
+    if isinstance(err, paths.Unreachable):  # already retried; the server does not answer
+      return False
     if isinstance(err, OSError) and err.errno in TRANSIENT_ERRNOS:
       return True
     if not isinstance(err, OSError) and any(code in str(err) for code in TRANSIENT_STATUS):
@@ -344,6 +346,11 @@ class Checkpointer:
   def read_meta(self, step: int) -> dict:
     return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
+  def _read(self, step: int, args):
+    """Orbax's restore of `step`, the bucket's server watched while it reads (paths.watched)."""
+    return paths.watched(lambda: self._mgr.restore(step, args=args), self.directory,
+                         f"reading checkpoint {self.directory}/{step}")
+
   def restore(self, step: int, abstract_state):
     """abstract_state: tree of jax.ShapeDtypeStruct with `.sharding` set -> restored arrays on those shardings.
 
@@ -352,7 +359,7 @@ class Checkpointer:
     meta = self.read_meta(step)
     faults.maybe_fail_read("restore_io", step)
     slim, abstract_frozen = self._split(abstract_state)
-    state = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(slim)))["state"]
+    state = self._read(step, ocp.args.Composite(state=ocp.args.StandardRestore(slim)))["state"]
     self._verify(step, meta, state)
     if abstract_frozen is not None:
       state = {**state, "params": graft(state["params"],
@@ -397,7 +404,7 @@ class Checkpointer:
       try:
         meta = self._retrying(lambda: self.read_meta(step), where)
         saved = self._retrying(lambda: self.saved_structure(step), where)
-      except CheckpointError:
+      except (CheckpointError, paths.Unreachable):  # not damage: nothing is set aside
         raise
       except Exception as e:  # noqa: BLE001 — unreadable metadata: damaged
         self._warn(where, e)
@@ -411,7 +418,7 @@ class Checkpointer:
       try:
         found = (step, self._retrying(lambda: self.restore(step, abstract_state), where), meta)
         break
-      except CheckpointError:
+      except (CheckpointError, paths.Unreachable):  # not damage: nothing is set aside
         raise
       except Exception as e:  # noqa: BLE001 — unreadable or fingerprint mismatch: damaged
         self._warn(where, e)
@@ -444,7 +451,7 @@ class Checkpointer:
     if meta.get("frozen_params") is not None:
       trained = prune(abstract_params, lambda p: f"params/{p}" in saved)
       frozen = prune(abstract_params, lambda p: f"params/{p}" not in saved)
-    restored = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+    restored = self._read(step, ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item={"params": trained},
         restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), {"params": trained}),
         partial_restore=True)))
@@ -460,7 +467,7 @@ class Checkpointer:
     where = f"{self.directory}/{step}"
     try:
       return self._retrying(lambda: read(step), where)
-    except CheckpointError:
+    except (CheckpointError, paths.Unreachable):
       raise
     except Exception as e:  # noqa: BLE001 — truncated files, unreadable metadata, fingerprint mismatch
       others = [s for s in self.finished_steps() if s != step]
@@ -488,8 +495,13 @@ class Checkpointer:
   def wait(self):
     """Waits for the background save; CheckpointError naming its step if it failed."""
     try:
-      self._mgr.wait_until_finished()
+      paths.watched(self._mgr.wait_until_finished, self.directory, "a checkpoint being written")
       self._mgr.check_for_errors()
+    except paths.Unreachable as e:  # its partial files cannot be removed either; Orbax skips them on resume
+      step, self._pending = self._pending, None
+      raise CheckpointError(f"checkpoint {self.directory}/{step} was not written: {e}; the checkpoints already "
+                            "complete are kept. Once the bucket answers again, rerun the same command to resume") \
+          from e
     except Exception as e:  # noqa: BLE001
       step, self._pending = self._pending, None
       self._remove_partial(step)

@@ -11,7 +11,7 @@ import sys
 
 import jax
 
-from hnclip_jax import storage
+from hnclip_jax import paths, storage
 from hnclip_jax.checkpoint import CheckpointError
 
 
@@ -31,13 +31,31 @@ def clean_errors(main):
       if log is not None and isinstance(e, (storage.StorageError, OSError)) and not isinstance(e, FileNotFoundError):
         log.exception(e)  # a storage failure's library causes; a configuration error is its own explanation
       msg = str(e)
-      if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
+      if isinstance(e, paths.Unreachable):
+        msg = f"{e}. Once it answers, rerun the same command (what was complete before is kept)"
+      elif isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
         msg = (f"{storage.describe(e)}; fix the file system (space, permissions, mount) and rerun the same "
                "command")
       storage.print_error(msg)
+      if _caused_by(e, paths.Unreachable):
+        # The storage server stopped answering: the libraries' writer threads would retry against it for many
+        # minutes at interpreter exit (tensorstore: ~15), and nothing they hold can reach it. End now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
       sys.exit(2)
 
   return wrapped
+
+
+def _caused_by(err: BaseException, kind) -> bool:
+  seen = set()
+  while err is not None and id(err) not in seen:
+    if isinstance(err, kind):
+      return True
+    seen.add(id(err))
+    err = err.__cause__ or err.__context__
+  return False
 
 
 def define_distributed_flags() -> None:

@@ -126,7 +126,8 @@ def _bounded_gcs_class():
         return await undecorated(self, *args, **kwargs)
       except aiohttp.ClientConnectorError as e:  # refused / DNS (not a timeout, reset or HTTP status)
         if delay is None:
-          raise Unreachable(str(e)) from None
+          raise Unreachable(f"Cloud Storage cannot be reached ({e}); check the network (or STORAGE_EMULATOR_HOST "
+                            "for an emulator)") from None
         await asyncio.sleep(delay)
 
   request.__name__ = "_request"
@@ -170,6 +171,51 @@ def _find_credentials() -> BaseException | None:
     return None
   except google.auth.exceptions.DefaultCredentialsError as e:
     return e
+
+
+# How often a long library call on a bucket (an Orbax save finishing, a restore) checks that the server still
+# answers. Orbax writes and reads arrays through tensorstore, which retries a refused connection ~32 times with
+# backoff up to 32 s (~15 min) and takes no setting for it through Orbax; the check ends such a call in seconds.
+WATCH_POLL_S = 5.0
+
+
+def unreachable(path) -> Unreachable | None:
+  """Unreachable when the storage server behind bucket path `path` does not answer (after the quick retries), else
+  None. Any answer, an error status included, counts as reachable."""
+  try:
+    filesystem().call("GET", "b/{}", bucket(path), json_out=True)
+  except Unreachable as e:
+    return e
+  except Exception:  # noqa: BLE001 — the server answered (404, 403, ...): reachable
+    pass
+  return None
+
+
+def watched(fn, path, what: str):
+  """fn() — a long library call that reads or writes bucket path `path` — with the server watched while it runs:
+  Unreachable naming `what` within about WATCH_POLL_S + the quick retries once nothing answers, instead of the
+  library's own retries for many minutes. The abandoned call keeps a daemon thread; a process that gets this error
+  should end (cli.clean_errors does). A local path: fn() itself."""
+  if not is_url(path):
+    return fn()
+  box, done = {}, threading.Event()
+
+  def run():
+    try:
+      box["value"] = fn()
+    except BaseException as e:  # noqa: BLE001 — handed to the caller below
+      box["error"] = e
+    finally:
+      done.set()
+
+  threading.Thread(target=run, name=f"watched: {what}", daemon=True).start()
+  while not done.wait(WATCH_POLL_S):
+    gone = unreachable(path)
+    if gone is not None and not done.is_set():
+      raise Unreachable(f"{what}: gs://{bucket(path)}: {gone}") from None
+  if "error" in box:
+    raise box["error"]
+  return box.get("value")
 
 
 def filesystem():

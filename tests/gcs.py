@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -18,13 +20,19 @@ def _binary() -> str:
   return str(server._get_binary_path())
 
 
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
 class Emulator:
-  def __init__(self, root: str):
+  def __init__(self, root: str, external_url: str | None = None):
+    """external_url: the address clients reach it by when that is not its own (a Relay in front of it)."""
     self.root = root
-    with socket.socket() as s:
-      s.bind(("127.0.0.1", 0))
-      self.port = s.getsockname()[1]
+    self.port = _free_port()
     self.url = f"http://127.0.0.1:{self.port}"
+    self.external_url = external_url or self.url
     self.proc = None
 
   @property
@@ -37,7 +45,7 @@ class Emulator:
   def start(self) -> "Emulator":
     self.proc = subprocess.Popen(
         [_binary(), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", self.root, "-host", "127.0.0.1",
-         "-port", str(self.port), "-external-url", self.url, "-log-level", "error"],
+         "-port", str(self.port), "-external-url", self.external_url, "-log-level", "error"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -100,3 +108,97 @@ class Emulator:
       os.makedirs(os.path.dirname(local), exist_ok=True)
       with open(local, "wb") as f:
         f.write(self.read(bucket, name))
+
+
+_REQUEST_LINE = re.compile(rb"(?:^|\n)((?:GET|POST|PUT|DELETE|PATCH|HEAD) \S+) HTTP/1\.[01]\r?\n")
+
+
+class Relay:
+  """A TCP relay in front of the emulator, on its own port: the clients under test talk to the emulator through it,
+  and it can go away at an exact moment, as a server that stops does. `stop_on(pattern)`: the first client request
+  whose bytes match `pattern` (a bytes regex, e.g. the object name of a checkpoint's array data) is never forwarded;
+  the relay then stops listening (new connections are refused) and resets every open one. `start()` listens again
+  on the same port; the emulator behind it, with every object written before the stop, never went away. No part of
+  the storage protocol is imitated: bytes pass through unchanged until the stop."""
+
+  def __init__(self):
+    self.port = _free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.stopped = threading.Event()
+    self._pattern, self._listener, self._conns, self._lock = None, None, set(), threading.Lock()
+    self.target = None
+    self.requests = []  # "METHOD /path?query" of every request relayed, in order
+
+  def env(self, emulator: Emulator) -> dict:
+    return {k: (self.url if v == emulator.url else v) for k, v in emulator.env.items()}
+
+  def start(self, target_port: int) -> "Relay":
+    self.target, self._pattern = target_port, None
+    self.stopped.clear()
+    self._listener = socket.create_server(("127.0.0.1", self.port))
+    threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+    return self
+
+  def stop_on(self, pattern: bytes) -> None:
+    self._pattern = re.compile(pattern)
+
+  def stop(self) -> None:
+    with self._lock:
+      self.stopped.set()
+      if self._listener is not None:
+        self._listener.close()
+        self._listener = None
+      for c in list(self._conns):
+        try:
+          c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+          c.close()
+        except OSError:
+          pass
+      self._conns.clear()
+
+  def _accept(self, listener):
+    while True:
+      try:
+        client, _ = listener.accept()
+      except OSError:
+        return
+      try:
+        upstream = socket.create_connection(("127.0.0.1", self.target))
+      except OSError:
+        client.close()
+        continue
+      with self._lock:
+        if self.stopped.is_set():
+          client.close()
+          upstream.close()
+          return
+        self._conns.update((client, upstream))
+      threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+      threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+  def _pump(self, src, dst, watch: bool):
+    tail = b""
+    while True:
+      try:
+        data = src.recv(65536)
+      except OSError:
+        data = b""
+      if not data:
+        break
+      if watch:
+        self.requests += [m.group(1).decode(errors="replace") for m in _REQUEST_LINE.finditer(data)]
+      if watch and self._pattern is not None:
+        seen = tail + data
+        if self._pattern.search(seen):
+          self.stop()
+          return
+        tail = seen[-512:]
+      try:
+        dst.sendall(data)
+      except OSError:
+        break
+    for s in (src, dst):
+      try:
+        s.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass
