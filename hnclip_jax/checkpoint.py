@@ -344,7 +344,7 @@ class Checkpointer:
                                      "Orbax logged the cause")
 
   def read_meta(self, step: int) -> dict:
-    return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    return self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def _read(self, step: int, args):
     """Orbax's restore of `step`, the bucket's server watched while it reads (paths.watched)."""
@@ -369,7 +369,9 @@ class Checkpointer:
   def saved_structure(self, step: int):
     """The saved state's tree of array metadata (shapes and dtypes; no array is read)."""
     from etils import epath
-    return ocp.PyTreeCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
+    where = f"{self.directory}/{step}"
+    return paths.watched(lambda: ocp.PyTreeCheckpointHandler().metadata(epath.Path(where) / "state"),
+                         self.directory, f"reading checkpoint {where}")
 
   def _retrying(self, fn, where: str):
     """fn(), retried with backoff while it fails with a transient storage error; then CheckpointError."""
