@@ -130,9 +130,15 @@ def _bounded_gcs_class():
                             "for an emulator)") from None
         await asyncio.sleep(delay)
 
+  def __init__(self, *args, **kwargs):
+    # No listings cache: other hosts and jobs write the same bucket (checkpoint shards, new steps an eval watcher
+    # must see), so a listing kept from an earlier call would be wrong, not merely old.
+    kwargs.setdefault("use_listings_cache", False)
+    base.__init__(self, *args, **kwargs)
+
   request.__name__ = "_request"
   return type("BoundedRetryGCSFileSystem", (base,),
-              {"_request": gcs_retry.retry_request(retries=base.retries)(request)})
+              {"_request": gcs_retry.retry_request(retries=base.retries)(request), "__init__": __init__})
 
 
 def configure_clients() -> None:

@@ -83,14 +83,16 @@ def _env(devices, env_extra=None):
   return env
 
 
-def start_processes(args, *, num_processes: int, devices_per_process: int, env_extra=None):
-  """Starts `python ARGS` as a multi-process JAX job on 127.0.0.1; returns the Popen objects."""
+def start_processes(args, *, num_processes: int, devices_per_process: int, env_extra=None, env_of=None):
+  """Starts `python ARGS` as a multi-process JAX job on 127.0.0.1; returns the Popen objects. env_of: process index
+  -> environment variables for that process only (over env_extra)."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   return [subprocess.Popen([sys.executable, *args, f"--coordinator_address=127.0.0.1:{port}",
                             f"--num_processes={num_processes}", f"--process_id={i}"],
-                           cwd=ROOT, env=_env(devices_per_process, env_extra), stdout=subprocess.PIPE,
+                           cwd=ROOT, env=_env(devices_per_process, {**(env_extra or {}), **(env_of or {}).get(i, {})}),
+                           stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True) for i in range(num_processes)]
 
 

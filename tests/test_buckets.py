@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, assert_error_exit, metrics_rows, run_py
+from conftest import ROOT, _env, assert_error_exit, metrics_rows, run_py
 from gcs import Emulator
 
 BASE = ["--config", "configs/demo.py:test", "--config.total_steps=6", "--config.checkpoint_every=2",
@@ -118,7 +120,6 @@ def test_the_bucket_lease_refuses_a_second_run_and_frees_a_dead_ones(gcs, tfds_d
   assert json.loads(gcs.read("bkt", "leased/.lease")) == held  # left as it was
   # A lease whose process on this host is gone (a SIGKILLed run) is taken over at once.
   import socket
-  import subprocess
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
   gcs.write("bkt", "leased/.lease",
@@ -133,29 +134,56 @@ def test_the_bucket_lease_refuses_a_second_run_and_frees_a_dead_ones(gcs, tfds_d
 
 
 def test_two_processes_train_into_the_bucket_are_killed_and_resume_bit_identically(gcs, tfds_dir, tmp_path):
-  """2 processes × 4 CPU devices write one workdir on the emulator (each its own checkpoint shards); both are
-  SIGKILLed once checkpoints 1 and 2 landed, and a plain rerun (the lease of the dead process 0 taken over) ends
-  with the metrics of an uninterrupted two-process run on a local disk, bit for bit."""
+  """2 processes × 4 CPU devices write one workdir on the emulator (each its own checkpoint shards; process 1 talks
+  to it through a relay that records its requests); both are SIGKILLed once checkpoints 1 and 2 landed, and a plain
+  rerun (the lease of the dead process 0 taken over), followed by an eval watcher in a third process, ends with the
+  metrics of an uninterrupted single-process run on 8 devices. Process 1 writes only its checkpoint shards: the
+  run's metadata, metrics, lease and commit markers are process 0's."""
   import signal
   from conftest import run_processes, start_processes
+  from gcs import Relay
   args = ["train.py", "--config", "configs/demo.py:test", "--config.total_steps=3", "--config.log_every=1",
           "--config.eval_every=3", "--config.checkpoint_every=1", f"--config.data.data_dir={tfds_dir}"]
-  straight = str(tmp_path / "straight")
+  straight, one = str(tmp_path / "straight"), str(tmp_path / "one")
   run_processes([*args, "--workdir", straight], num_processes=2, devices_per_process=4)
-  procs = start_processes([*args, "--workdir", "gs://bkt/two"], num_processes=2, devices_per_process=4,
-                          env_extra={**gcs.env, "HNCLIP_FAULT": "kill_after_saves@3"})
-  for p in procs:
-    p.communicate(timeout=600)
-  assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
-  names = gcs.objects("bkt", "two/")
-  assert "two/checkpoints/2/commit_success.txt" in names and "two/.lease" in names  # left by the killed run
-  procs = start_processes([*args, "--workdir", "gs://bkt/two"], num_processes=2, devices_per_process=4,
-                          env_extra=gcs.env)
-  outs = [p.communicate(timeout=600) for p in procs]
-  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:]
-  assert "resumed from gs://bkt/two/checkpoints/2 (step 2)" in outs[0][0], outs[0][0][-2000:]
-  assert bucket_rows(gcs, "two/metrics.jsonl") and no_perf(bucket_rows(gcs, "two/metrics.jsonl")) == \
-      metrics_rows(straight)
+  run_py([*args, "--workdir", one], devices=8)
+  relay = Relay().start(gcs.port)
+  try:
+    for fault in ({"HNCLIP_FAULT": "kill_after_saves@3"}, {}):
+      procs = start_processes([*args, "--workdir", "gs://bkt/two"], num_processes=2, devices_per_process=4,
+                              env_extra={**gcs.env, **fault}, env_of={1: relay.env(gcs)})
+      if not fault:  # the watcher follows the resumed run from a third process
+        watcher = subprocess.Popen(
+            [sys.executable, "eval.py", "--config", "configs/demo.py:test", "--workdir", "gs://bkt/two",
+             f"--config.data.data_dir={tfds_dir}", "--watch", "--watch_poll_s=1", "--watch_timeout_s=120"],
+            cwd=ROOT, env=_env(1, gcs.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      outs = [p.communicate(timeout=600) for p in procs]
+      if fault:
+        assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
+        names = gcs.objects("bkt", "two/")
+        assert "two/checkpoints/2/commit_success.txt" in names and "two/.lease" in names  # left by the killed run
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:]
+    assert "resumed from gs://bkt/two/checkpoints/2 (step 2)" in outs[0][0], outs[0][0][-2000:]
+    watched, err = watcher.communicate(timeout=300)
+    assert watcher.returncode == 0, err[-2000:]
+    evaluated = re.search(r"evaluated steps \[([\d, ]*)\]", watched)
+    assert evaluated and [int(x) for x in evaluated.group(1).split(",")] == [1, 2, 3], watched[-2000:]
+  finally:
+    relay.stop()
+  got = no_perf(bucket_rows(gcs, "two/metrics.jsonl"))
+  assert got and got == metrics_rows(straight)  # bit for bit: the uninterrupted run of the same two processes
+  # One process with the same 8 devices: the same numbers up to the order of the cross-process reductions.
+  want = metrics_rows(one)
+  assert [sorted(r) for r in got] == [sorted(r) for r in want]
+  for a, b in zip(got, want):
+    for k in a:
+      assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (a["step"], k, a[k], b[k])
+  writes = [r for r in relay.requests if not r.startswith("GET ")]
+  shard = re.compile(r"two(%2F|/)checkpoints(%2F|/)\d+(%2F|/)state(%2F|/)(ocdbt\.process_1|array_metadatas(%2F|/)process_1)")
+  probe = re.compile(r"two(%2F|/)(checkpoints(%2F|/))?\.write-probe-")  # storage.check_writable: made, then deleted
+  assert writes and all(shard.search(r) or probe.search(r) for r in writes), \
+      [r for r in writes if not (shard.search(r) or probe.search(r))][:5]
+  assert any(shard.search(r) for r in writes)
 
 
 def test_a_server_that_stops_mid_run_ends_it_in_one_line_and_a_rerun_resumes(tmp_path, tfds_dir):
@@ -163,8 +191,6 @@ def test_a_server_that_stops_mid_run_ends_it_in_one_line_and_a_rerun_resumes(tmp
   `error:` line naming the bucket path and the way on, no traceback and no hang (after the client's own retries);
   with the server back, the same command resumes from the last committed checkpoint and ends bit-identically to
   an uninterrupted run."""
-  import subprocess
-  from conftest import _env
   emu = Emulator(str(tmp_path / "gcs")).start()
   try:
     emu.make_bucket("bkt")
