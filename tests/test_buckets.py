@@ -29,8 +29,9 @@ def gcs(tmp_path_factory):
 
 
 def train(gcs, workdir, tfds_dir, *extra, check=True):
+  """gcs: the Emulator, or the environment to run with."""
   return run_py(["train.py", *BASE, "--workdir", str(workdir), f"--config.data.data_dir={tfds_dir}", *extra],
-                env_extra=gcs.env, check=check)
+                env_extra=gcs if isinstance(gcs, dict) else gcs.env, check=check)
 
 
 def evaluate(gcs, workdir, *extra):
@@ -105,6 +106,22 @@ def test_what_a_bucket_cannot_do_is_refused_in_one_line(gcs, tfds_dir):
   start = time.monotonic()
   proc = train(gcs, "gs://no-such-bucket/run", tfds_dir, check=False)
   assert_error_exit(proc, "gs://no-such-bucket/run")
+  assert time.monotonic() - start < 60
+  # Outside an emulator, with no credentials anywhere: the bucket and the ways to authenticate, at once.
+  start = time.monotonic()
+  proc = run_py(["train.py", *BASE, "--workdir", "gs://bkt/nocreds", f"--config.data.data_dir={tfds_dir}"],
+                env_extra={"HOME": str(tfds_dir) + "-no-home", "GOOGLE_APPLICATION_CREDENTIALS": "",
+                           "GCE_METADATA_HOST": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9"}, check=False)
+  line = assert_error_exit(proc, "--workdir=gs://bkt/nocreds", "no usable Google Cloud credentials for gs://bkt",
+                           "gcloud auth application-default login", "GOOGLE_APPLICATION_CREDENTIALS")
+  assert time.monotonic() - start < 60 and "token" not in proc.stdout.lower() + line.lower()
+  # A server that does not answer at all (nothing listens on the port): one line, not gcsfs' minutes of retries.
+  from gcs import _free_port
+  dead = f"http://127.0.0.1:{_free_port()}"
+  start = time.monotonic()
+  proc = train({**gcs.env, "STORAGE_EMULATOR_HOST": dead, "TENSORSTORE_GCS_HTTP_URL": dead}, "gs://bkt/dead",
+               tfds_dir, check=False)
+  assert_error_exit(proc, "gs://bkt", "cannot be reached")
   assert time.monotonic() - start < 60
   proc = train(gcs, "gs://bkt/data-run", "gs://bkt/tfds", check=False)
   assert_error_exit(proc, "config.data.data_dir=gs://bkt/tfds", "Cloud Storage FUSE")
