@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -196,7 +197,9 @@ class StepProfiler:
   (plugins/profile/<time>/<host>.xplane.pb, and a .trace.json.gz that opens in Perfetto); with processes="all" each
   process i > 0 writes to WORKDIR/tensorboard/process_i. Each traced step is a `train` step event with its number.
   A resumed run traces the part of the range it runs, and says so; a trace that cannot be written stops the run
-  with one StorageError line naming the directory."""
+  with one StorageError line naming the directory. On a bucket the profiler writes to a local temp directory whose
+  files are uploaded when the trace stops (as TensorBoard's event files are), so traces reach gs:// through the same
+  client as everything else (the profiler's own GCS client ignores the emulator and the retry rules of paths.py)."""
 
   def __init__(self, steps: tuple[int, int] | None, processes: str, workdir: str, start_step: int = 0):
     self.first, self.last = steps or (0, -1)
@@ -204,7 +207,7 @@ class StepProfiler:
     self.active = steps is not None and (processes == "all" or index == 0) and self.last > start_step
     self.root = paths.join(workdir, "tensorboard")
     self.dir = paths.join(self.root, *([f"process_{index}"] if index else []))
-    self.tracing, self._from = False, None
+    self.tracing, self._from, self._staging = False, None, None
     if steps is not None and self.first <= start_step:
       log(f"config.profile.steps={self.first}:{self.last}: this run starts after step {start_step}, so "
           + (f"only steps {start_step + 1}-{self.last} are traced" if self.active else "no step is traced"))
@@ -214,7 +217,9 @@ class StepProfiler:
     if not self.active or not self.first <= step <= self.last:
       return contextlib.nullcontext()
     if not self.tracing:
-      self._call(jax.profiler.start_trace, self.dir)
+      if paths.is_url(self.dir):
+        self._staging = tempfile.mkdtemp(prefix="hnclip_jax-profile-")
+      self._call(jax.profiler.start_trace, self._staging or self.dir)
       self.tracing, self._from = True, step
     return jax.profiler.StepTraceAnnotation("train", step_num=step)
 
@@ -224,6 +229,7 @@ class StepProfiler:
       jax.block_until_ready(state)
       self.tracing = False
       self._call(jax.profiler.stop_trace)
+      self._upload()
       log(f"profile of steps {self._from}-{step} written to {self.dir} (tensorboard --logdir {self.root})")
 
   def stop(self) -> None:
@@ -232,8 +238,17 @@ class StepProfiler:
       self.tracing = False
       try:
         jax.profiler.stop_trace()
+        self._upload()
       except Exception:  # noqa: BLE001
         pass
+
+  def _upload(self) -> None:
+    if self._staging:
+      staging, self._staging = self._staging, None
+      try:
+        self._call(paths.upload_tree, staging, self.dir)
+      finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
   def _call(self, fn, *args) -> None:
     try:

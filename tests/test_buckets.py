@@ -50,7 +50,7 @@ def no_perf(rows):
 def test_train_resume_and_eval_on_a_bucket_match_a_local_disk(gcs, tfds_dir, tmp_path):
   local = tmp_path / "local"
   train(gcs, local, tfds_dir)
-  out = train(gcs, "gs://bkt/run", tfds_dir)
+  out = train(gcs, "gs://bkt/run", tfds_dir, "--config.profile.steps=5:6")
   assert "done: 6 steps; checkpoints in gs://bkt/run/checkpoints" in out.stdout
   assert not os.path.exists(os.path.join(ROOT, "gs:")) and not os.path.exists("gs:")  # no directory named after it
   names = gcs.objects("bkt", "run/")
@@ -70,6 +70,10 @@ def test_train_resume_and_eval_on_a_bucket_match_a_local_disk(gcs, tfds_dir, tmp
             if v.tag == "loss"]
   assert losses == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in metrics_rows(local) if "loss" in r]
   assert len(losses) == 6
+  # The profile of steps 5-6 reached the bucket (staged locally, uploaded when the trace stopped).
+  trace = [n for n in names if n.startswith("run/tensorboard/plugins/profile/")]
+  assert sorted(n.rsplit("/", 1)[1].split(".", 1)[1] for n in trace) == ["trace.json.gz", "xplane.pb"], trace
+  assert "profile of steps 5-6 written to gs://bkt/run/tensorboard" in out.stdout
 
   # A run killed after step 4 (checkpoint 6 never written): a plain rerun resumes from the bucket, bit-identically.
   before = bucket_rows(gcs, "run/metrics.jsonl")
