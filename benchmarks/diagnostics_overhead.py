@@ -29,7 +29,7 @@ def main():
   mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
   step, tx, sh, graphdef, _ = make_step(cfg, 0.5, mesh)
   _, params = init_params(cfg, 0)
-  objective = Objective(gamma=0.5)
+  objective = Objective.of(gamma=0.5)
   diag = diagnostics.make_batch_diagnostics(graphdef, mesh, objective)
   compare = diagnostics.make_gradient_comparison(graphdef, mesh, objective, sh["params"])
   r = np.random.default_rng(0)

@@ -37,7 +37,7 @@ for b in [int(x) for x in a.batches.split(",")]:
   row = {"global_batch": b, "rows_per_device": b // n_dev}
   for chunk in (None, a.chunk):
     x = jax.ShapeDtypeStruct((b, a.dim), jnp.float32, sharding=sh)
-    f = lambda i, t, c=chunk: Objective(gamma=0.5, chunk_size=c or 0)(embedding_outputs(i, t, 30.0), mesh)[0]
+    f = lambda i, t, c=chunk: Objective.of(gamma=0.5, chunk_size=c or 0)(embedding_outputs(i, t, 30.0), mesh)[0]
     m = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(x, x).compile().memory_analysis()
     row["MB_unchunked" if chunk is None else f"MB_chunk{a.chunk}"] = m.temp_size_in_bytes / 1e6
   row["full_BxB_MB"] = b * b * 4 / 1e6

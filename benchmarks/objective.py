@@ -106,8 +106,8 @@ def token_memory():
         out["img_tokens"] = jax.ShapeDtypeStruct((b, patches, e), jnp.bfloat16, sharding=sh)
         out["txt_tokens"] = jax.ShapeDtypeStruct((b, length, e), jnp.bfloat16, sharding=sh)
       mask = jax.ShapeDtypeStruct((b, length), jnp.bool_, sharding=sh)
-      obj = Objective(gamma=0.5, token_weight=lam, chunk_size=a.chunk)
-      f = lambda o, m, obj=obj: obj({**o, "scale": jnp.float32(100.0), **({"txt_mask": m} if obj.token_weight else {})},
+      obj = Objective.of(gamma=0.5, token_weight=lam, chunk_size=a.chunk)
+      f = lambda o, m, obj=obj: obj({**o, "scale": jnp.float32(100.0), **({"txt_mask": m} if obj.needs_tokens else {})},
                                     mesh)[0]
       mem = jax.jit(jax.value_and_grad(f)).lower(out, mask).compile().memory_analysis()
       row["temp_MB_hn" if not lam else "temp_MB_hn+tok"] = mem.temp_size_in_bytes / 1e6
@@ -132,7 +132,7 @@ def compare_memory():
     batch = {"image": jax.ShapeDtypeStruct((b, cfg.image_size, cfg.image_size, 3), jnp.float32),
              "tokens": jax.ShapeDtypeStruct((b, cfg.text_context), jnp.int32)}
     step_mem = step.lower(target, batch).compile().memory_analysis().temp_size_in_bytes
-    compare = diagnostics.make_gradient_comparison(graphdef, mesh, Objective(gamma=0.5), sh["params"], accum,
+    compare = diagnostics.make_gradient_comparison(graphdef, mesh, Objective.of(gamma=0.5), sh["params"], accum,
                                                    "global_batch")
     cmp_mem = compare.lower(target["params"], batch).compile().memory_analysis().temp_size_in_bytes
     rows.append({"batch": b, "grad_accum_steps": accum, "train_step_temp_MB": step_mem / 1e6,

@@ -12,7 +12,7 @@ import ml_collections
 
 import jax
 
-from hnclip_jax import frameworks
+from hnclip_jax import frameworks, pretrained
 from hnclip_jax.checkpoint import IncompatibleCheckpoint
 from hnclip_jax.data import builders, pipeline
 from hnclip_jax.data.tokenizer import WordTokenizer
@@ -38,7 +38,6 @@ def preflight(config) -> None:
   """The checks on paths that need no data and no compilation: config.init_from's existence and format, the
   dataset name and its manual folder. Called before anything is built."""
   if config.init_from:
-    from hnclip_jax import pretrained
     pretrained.check_source(config.init_from, "config.init_from")
   builders.check_data_config(config.data)
 
@@ -134,7 +133,6 @@ def pretrained_start(config):
   an adapter workdir folded in, text positions stretched if config.model.text_context asks for more (as Long-CLIP
   does), the token projection config.model asks for, then this run's adapters, framework modules and compute
   settings. train.py (resolve_model) and tools/compile_for build a fine-tuning start's architecture here."""
-  from hnclip_jax import pretrained
   pre = pretrained.load(config.init_from).merged()  # an adapter workdir starts from its folded weights
   if config.model.text_context > pre.config.text_context:
     pre = pre.with_text_context(config.model.text_context)

@@ -21,7 +21,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # Rows / columns of the token term computed at a time when config.loss.chunk_size is 0: the live block is
 # [TOKEN_BLOCK, TOKEN_BLOCK, L_image, L_text] (65 MB at ViT-L/14 with 248 text tokens).
 TOKEN_BLOCK = 16
-_NEG = -1e30  # masked-out similarity; finite, so masked entries get an exact-zero gradient, never NaN
+NEG = -1e30  # masked-out similarity; finite, so masked entries get an exact-zero gradient, never NaN
 
 
 def sims(a, b, spec: str):
@@ -40,7 +40,7 @@ def divisor_at_most(n: int, k: int) -> int:
   return k
 
 
-def _margin(txt_rows, txt_all, gamma, is_pos):
+def margin_rows(txt_rows, txt_all, gamma, is_pos):
   """γ·Ḡ for a block of rows: [n, B], stop-gradient, zero at the positives. Ḡ is symmetric, so the same rows
   serve image→text (row i of S + γḠ) and text→image (column i of it)."""
   g_rows = jax.lax.stop_gradient(sims(txt_rows.astype(F32), txt_all.astype(F32), "nd,bd->nb"))
@@ -52,7 +52,7 @@ def _cross_entropy(logits, is_pos):  # [n, B] fp32 logits, [n, B] bool -> [n] CE
   return jax.nn.logsumexp(logits, axis=1) - pos
 
 
-def _positives(n, batch, row_offset):  # [n, B] bool: the global position of each row's positive
+def positives(n, batch, row_offset):  # [n, B] bool: the global position of each row's positive
   return (row_offset + jnp.arange(n))[:, None] == jnp.arange(batch)[None, :]
 
 
@@ -71,17 +71,17 @@ def contrastive_rows(img_rows, txt_rows, img_all, txt_all, logit_scale, gamma, r
   target i (image→text) and column i of it (text→image). A Python γ = 0 is plain InfoNCE exactly.
   """
   img_rows, txt_rows, img_all, txt_all = (x.astype(F32) for x in (img_rows, txt_rows, img_all, txt_all))
-  is_pos = _positives(img_rows.shape[0], img_all.shape[0], row_offset)
+  is_pos = positives(img_rows.shape[0], img_all.shape[0], row_offset)
   s_rows = sims(img_rows, txt_all, "nd,bd->nb")  # [n, B] rows of S
   s_cols = sims(txt_rows, img_all, "nd,bd->nb")  # [n, B] columns of S (S is not symmetric)
-  margin = _margin(txt_rows, txt_all, gamma, is_pos) if has_margin(gamma) else 0.0
+  margin = margin_rows(txt_rows, txt_all, gamma, is_pos) if has_margin(gamma) else 0.0
   scale = logit_scale.astype(F32)
   l_rows, l_cols = scale * (s_rows + margin), scale * (s_cols + margin)
   if valid_all is None:
     return _cross_entropy(l_rows, is_pos), _cross_entropy(l_cols, is_pos)
   keep = valid_all[None, :]
   mine = jax.lax.dynamic_slice_in_dim(valid_all, row_offset, img_rows.shape[0])
-  ce = lambda logits: jnp.where(mine, _cross_entropy(jnp.where(keep, logits, _NEG), is_pos), 0.0)  # noqa: E731
+  ce = lambda logits: jnp.where(mine, _cross_entropy(jnp.where(keep, logits, NEG), is_pos), 0.0)  # noqa: E731
   return ce(l_rows), ce(l_cols)
 
 
@@ -93,7 +93,7 @@ def _sigmoid_block(img_rows, txt_cols, txt_rows, logit_scale, logit_bias, gamma,
   is_pos = (row_offset + jnp.arange(img_rows.shape[0]))[:, None] == (col_offset + jnp.arange(txt_cols.shape[0]))[None]
   s = sims(img_rows.astype(F32), txt_cols.astype(F32), "nd,md->nm")
   if has_margin(gamma):
-    s = s + _margin(txt_rows, txt_cols, gamma, is_pos)
+    s = s + margin_rows(txt_rows, txt_cols, gamma, is_pos)
   z = logit_scale.astype(F32) * s + logit_bias.astype(F32)
   return -jax.nn.log_sigmoid(jnp.where(is_pos, z, -z))
 
@@ -134,36 +134,6 @@ def siglip_loss(img_emb, txt_emb, logit_scale, logit_bias, gamma=0.0):
   return jnp.sum(rows) / img_emb.shape[0]
 
 
-def cosine_mse_rows(a, b, valid):
-  """GOAL's alignment terms, per row: (cos(a_i, b_i) − 1)² for L2-normalised a, b [n, D]; 0 where valid [n] is
-  False."""
-  cos = jnp.sum(a.astype(F32) * b.astype(F32), axis=-1)
-  return jnp.where(valid, jnp.square(cos - 1.0), 0.0)
-
-
-def multi_positive_rows(chunks, chunk_valid, crops_all, crop_valid_all, logit_scale, row_offset):
-  """StructXLIP's local term for a block of rows: each chunk of a row's caption against every valid crop of the
-  batch, multi-positive InfoNCE with the row's own valid crops as the positives.
-
-  chunks [n, C, E], chunk_valid [n, C] bool: rows `row_offset .. row_offset+n`; crops_all [B, K, E],
-  crop_valid_all [B, K] bool: the whole batch (L2-normalised features). Per chunk c of row i:
-  lse_{valid (b, k)} s·⟨c, crop_bk⟩ − lse_{valid (i, k)} s·⟨c, crop_ik⟩. Returns (loss [n]: the mean over the row's
-  valid chunks, 0 where it has no valid chunk or no valid crop; applies [n] bool: where it has both).
-  """
-  n, c, e = chunks.shape
-  b, k, _ = crops_all.shape
-  logits = logit_scale.astype(F32) * sims(chunks.reshape(n * c, e), crops_all.reshape(b * k, e), "ne,me->nm")
-  logits = logits.reshape(n, c, b, k)
-  mine = (row_offset + jnp.arange(n))[:, None] == jnp.arange(b)[None, :]  # [n, B]
-  pos = mine[:, None, :, None] & crop_valid_all[None, None]  # [n, 1, B, K]
-  den = jax.nn.logsumexp(jnp.where(crop_valid_all[None, None], logits, _NEG).reshape(n, c, -1), axis=-1)
-  num = jax.nn.logsumexp(jnp.where(pos, logits, _NEG).reshape(n, c, -1), axis=-1)
-  per_chunk = jnp.where(chunk_valid, den - num, 0.0)
-  count = jnp.sum(chunk_valid, axis=1)
-  applies = (count > 0) & jnp.any(pos.reshape(n, -1), axis=1)
-  return jnp.where(applies, jnp.sum(per_chunk, axis=1) / jnp.maximum(count, 1), 0.0), applies
-
-
 def token_scores(img_r, txt_c, mask_c):
   """FILIP late-interaction scores of r images against c captions, both directions from one similarity tensor.
 
@@ -174,7 +144,7 @@ def token_scores(img_r, txt_c, mask_c):
   Lives as [r, c, P, L]: call it on blocks (see `token_rows`).
   """
   s = sims(img_r, txt_c, "ape,bqe->abpq")  # [r, c, P, L]
-  i2t = jnp.mean(jnp.max(jnp.where(mask_c[None, :, None, :], s, _NEG), axis=3), axis=2)
+  i2t = jnp.mean(jnp.max(jnp.where(mask_c[None, :, None, :], s, NEG), axis=3), axis=2)
   m = mask_c[None].astype(F32)  # [1, c, L]
   t2i = jnp.sum(jnp.max(s, axis=2) * m, axis=2) / jnp.maximum(jnp.sum(m, axis=2), 1.0)
   return i2t, t2i
@@ -250,8 +220,8 @@ def token_rows(img_tok_rows, txt_tok_all, mask_all, logit_scale, row_offset, blo
   """
   n, batch = img_tok_rows.shape[0], txt_tok_all.shape[0]
   i2t, t2i = pairwise_rows(token_scores, img_tok_rows, (txt_tok_all, mask_all), block, cols_to_rows)
-  is_pos = _positives(n, batch, row_offset)
-  extra = 0.0 if margin is None else _margin(margin[1], margin[2], margin[0], is_pos)
+  is_pos = positives(n, batch, row_offset)
+  extra = 0.0 if margin is None else margin_rows(margin[1], margin[2], margin[0], is_pos)
   scale = logit_scale.astype(F32)
   return _cross_entropy(scale * (i2t + extra), is_pos), _cross_entropy(scale * (t2i + extra), is_pos)
 
@@ -270,8 +240,8 @@ def token_rows_ring(img_tok_rows, txt_tok_rows, mask_rows, logit_scale, row_offs
   n = img_tok_rows.shape[0]
   batch = n * num_devices
   i2t, t2i = ring_token_scores(img_tok_rows, txt_tok_rows, mask_rows.astype(F32), axes, num_devices, block)
-  is_pos = _positives(n, batch, row_offset)
-  extra = 0.0 if margin is None else _margin(margin[1], margin[2], margin[0], is_pos)
+  is_pos = positives(n, batch, row_offset)
+  extra = 0.0 if margin is None else margin_rows(margin[1], margin[2], margin[0], is_pos)
   scale = logit_scale.astype(F32)
   return _cross_entropy(scale * (i2t + extra), is_pos), _cross_entropy(scale * (t2i + extra), is_pos)
 
@@ -357,39 +327,6 @@ def _ring_bwd(axes, d, block, res, cotangents):
 
 
 ring_token_scores.defvjp(_ring_fwd, _ring_bwd)
-
-
-# FineLIP (Asokan et al. 2025): late interaction on aggregated tokens, and a hinge over all in-batch negatives.
-LEAKY_SLOPE = 0.1
-
-
-def late_interaction(img_r, txt_c, slope: float = LEAKY_SLOPE):
-  """FineLIP's score of r images against c captions: img_r [r, Ti, E], txt_c [c, Tt, E], L2-normalised per token.
-
-  For each pair the token similarities pass through LeakyReLU(slope); the text side is, per caption token, the max
-  over image tokens averaged over caption tokens, the image side the max over caption tokens averaged over image
-  tokens; the score is their sum (in [-2·slope, 2]). Returns [r, c] fp32 (the same score twice, for
-  `pairwise_rows`)."""
-  s = jax.nn.leaky_relu(sims(img_r, txt_c, "ape,bqe->abpq"), slope)  # [r, c, Ti, Tt]
-  score = jnp.mean(jnp.max(s, axis=2), axis=2) + jnp.mean(jnp.max(s, axis=3), axis=2)
-  return score, score
-
-
-def hinge_rows(img_agg_rows, txt_agg_all, row_offset, margin: float = 0.2, block: int = TOKEN_BLOCK,
-               hn_margin=None, cols_to_rows=lambda x: x):
-  """Per-example FineLIP hinge for a block of rows: img_agg_rows [n, Ti, E] (rows `row_offset ..`), txt_agg_all
-  [B, Tt, E]. With S the late-interaction scores (`late_interaction`):
-    i2t[a] = Σ_{b≠a} max(0, margin + S[a, b] − S[a, a])     (image a against every other caption)
-    t2i[a] = Σ_{b≠a} max(0, margin + S[b, a] − S[a, a])     (caption a against every other image)
-  hn_margin: None, or (gamma, txt_emb_rows [n, D], txt_emb_all [B, D]): add HN-CLIP's γ·Ḡ to the negatives' scores.
-  Returns (i2t [n], t2i [n]) fp32."""
-  n, batch = img_agg_rows.shape[0], txt_agg_all.shape[0]
-  rows, cols_t = pairwise_rows(late_interaction, img_agg_rows, (txt_agg_all,), block, cols_to_rows)  # S, S^T rows
-  is_pos = _positives(n, batch, row_offset)
-  extra = 0.0 if hn_margin is None else _margin(hn_margin[1], hn_margin[2], hn_margin[0], is_pos)
-  diag = jnp.sum(jnp.where(is_pos, rows, 0.0), axis=1, keepdims=True)  # S[a, a]
-  cost = lambda s: jnp.sum(jnp.where(is_pos, 0.0, jax.nn.relu(margin + s + extra - diag)), axis=1)
-  return cost(rows), cost(cols_t)
 
 
 def hn_clip_loss(img_emb, txt_emb, logit_scale, gamma):

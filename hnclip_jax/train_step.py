@@ -11,7 +11,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hnclip_jax import frameworks, sharding
-from hnclip_jax.models import bind
+from hnclip_jax.models import abstract_model, bind
 from hnclip_jax.objective import GLOBAL_OUTPUTS, Objective
 from hnclip_jax.optim import (SCALE_PARAM, clamp_logit_scale, freeze_patterns, frozen_predicate, logit_scale_max,
                               lr_schedule, make_optimizer, param_path)
@@ -261,7 +261,6 @@ def check_model(config, model_cfg, mesh, rules) -> None:
 
 def build_program(config, model_cfg, mesh, rules) -> Program:
   """The train step of `config` for architecture `model_cfg` on `mesh`: optimizer, state shardings, jitted step."""
-  from hnclip_jax.models import abstract_model
   graphdef, abstract_params = abstract_model(model_cfg)
   freeze = freeze_patterns(config, model_cfg)
   tx = make_optimizer(config.optimizer, config.total_steps, freeze)

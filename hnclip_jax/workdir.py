@@ -26,7 +26,7 @@ import time
 
 import jax
 
-from hnclip_jax import frameworks, paths, storage
+from hnclip_jax import checkpoint, frameworks, paths, storage
 from hnclip_jax.config import MODEL_RUNTIME_FIELDS, flatten
 from hnclip_jax.data.saved_tokenizer import load_tokenizer
 from hnclip_jax.models import CLIPConfig
@@ -178,7 +178,6 @@ class Workdir:
 
   def checkpointer(self, *, max_to_keep: int = 3, async_save: bool = True, overlap_steps: int | None = None,
                    read_only: bool = False, frozen=None):
-    from hnclip_jax import checkpoint
     if read_only and not paths.isdir(self.checkpoints):
       raise FileNotFoundError(f"no checkpoints in {self.checkpoints}; train first with "
                               f"train.py --workdir {self.path}")

@@ -45,7 +45,7 @@ def grads_on(mesh, accum=1, negatives="global_batch", chunk=0, gamma=0.5, token_
   graphdef, params = model or (sc.GRAPHDEF, sc.PARAMS)
   abstract = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)}
   psh = sharding.state_shardings(abstract, "params", mesh, sc.RULES)["params"]
-  objective = Objective(gamma=gamma, chunk_size=chunk, token_weight=token_weight, **terms)
+  objective = Objective.of(gamma=gamma, chunk_size=chunk, token_weight=token_weight, **terms)
   fn = train_step.make_grad_fn(graphdef, mesh, objective, accum, negatives)
   bsh = sharding.batch_sharding(mesh)
   f = jax.jit(fn, in_shardings=(psh, bsh), out_shardings=(sharding.replicated(mesh), psh))

@@ -58,7 +58,7 @@ def grads_on(shape, accum=1, negatives="global_batch", chunk=0, gamma=0.5, token
   mesh = mesh_of(shape)
   abstract = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)}
   psh = sharding.state_shardings(abstract, "params", mesh, RULES)["params"]
-  objective = Objective(gamma=gamma, chunk_size=chunk, token_weight=token_weight, **terms)
+  objective = Objective.of(gamma=gamma, chunk_size=chunk, token_weight=token_weight, **terms)
   fn = train_step.make_grad_fn(graphdef, mesh, objective, accum, negatives)
   bsh = sharding.batch_sharding(mesh)
   f = jax.jit(fn, in_shardings=(psh, bsh), out_shardings=(sharding.replicated(mesh), psh))
@@ -285,7 +285,7 @@ def memory():
   for chunk in (0, 32):
     for gb in (1024, 2048, 4096):
       x = jax.ShapeDtypeStruct((gb, 64), jnp.float32, sharding=sh)
-      f = lambda a, b: Objective(gamma=0.5, chunk_size=chunk)(embedding_outputs(a, b, 30.0), mesh)[0]
+      f = lambda a, b: Objective.of(gamma=0.5, chunk_size=chunk)(embedding_outputs(a, b, 30.0), mesh)[0]
       compiled = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(x, x).compile()
       shapes = set(re.findall(r"f32\[(\d+),(\d+)\]", compiled.as_text()))
       out["memory"][f"{chunk}/{gb}"] = {
@@ -300,7 +300,7 @@ def memory():
          "img_tokens": jax.ShapeDtypeStruct((TB, TP, TE), jnp.float32, sharding=sh),
          "txt_tokens": jax.ShapeDtypeStruct((TB, TL, TE), jnp.float32, sharding=sh)}
   mask = jax.ShapeDtypeStruct((TB, TL), jnp.bool_, sharding=sh)
-  f = lambda o, m: Objective(gamma=0.5, token_weight=1.0)({**o, "txt_mask": m, "scale": jnp.float32(30.0)}, mesh)[0]
+  f = lambda o, m: Objective.of(gamma=0.5, token_weight=1.0)({**o, "txt_mask": m, "scale": jnp.float32(30.0)}, mesh)[0]
   sizes = _buffer_sizes(jax.jit(jax.value_and_grad(f)).lower(tok, mask).compile().as_text())
   out["token_memory"] = {"largest_buffer": max(sizes), "BxBxPxL": TB * TB * TP * TL,
                          "nxBxPxL": TB // 8 * TB * TP * TL, "block": losses.TOKEN_BLOCK ** 2 * TP * TL}
@@ -308,7 +308,7 @@ def memory():
   FT = 10
   agg = {"img": tok["img"], "txt": tok["txt"], "img_agg": jax.ShapeDtypeStruct((TB, FT, TE), jnp.float32, sharding=sh),
          "txt_agg": jax.ShapeDtypeStruct((TB, FT, TE), jnp.float32, sharding=sh)}
-  f = lambda o: Objective(gamma=0.5, terms=(FineLIPTerm(weight=1.0),))({**o, "scale": jnp.float32(30.0)}, mesh)[0]
+  f = lambda o: Objective.of(gamma=0.5, terms=(FineLIPTerm(weight=1.0),))({**o, "scale": jnp.float32(30.0)}, mesh)[0]
   sizes = _buffer_sizes(jax.jit(jax.value_and_grad(f)).lower(agg).compile().as_text())
   out["finelip_memory"] = {"largest_buffer": max(sizes), "BxBxTxT": TB * TB * FT * FT,
                            "nxBxTxT": TB // 8 * TB * FT * FT, "block": losses.TOKEN_BLOCK ** 2 * FT * FT}
@@ -320,7 +320,7 @@ def memory():
               "sx_chunks": jax.ShapeDtypeStruct((TB, XC, TE), jnp.float32, sharding=sh)})
   sxm = {"sx_crop_valid": jax.ShapeDtypeStruct((TB, XK), jnp.bool_, sharding=sh),
          "sx_chunk_valid": jax.ShapeDtypeStruct((TB, XC), jnp.bool_, sharding=sh)}
-  f = lambda o, m: Objective(gamma=0.5, terms=(StructXLIPTerm(local_weight=1.0),))({**o, **m, "scale": jnp.float32(30.0)}, mesh)[0]
+  f = lambda o, m: Objective.of(gamma=0.5, terms=(StructXLIPTerm(local_weight=1.0),))({**o, **m, "scale": jnp.float32(30.0)}, mesh)[0]
   sizes = _buffer_sizes(jax.jit(jax.value_and_grad(f)).lower(sxo, sxm).compile().as_text())
   out["structxlip_memory"] = {"largest_buffer": max(sizes), "rows": TB // 8 * XC * TB * XK,
                               "full": TB * XC * TB * XK}
@@ -355,7 +355,7 @@ def ring():
          "txt_tokens": jax.ShapeDtypeStruct((tb, TL, TE), jnp.float32, sharding=sh)}
     mask = jax.ShapeDtypeStruct((tb, TL), jnp.bool_, sharding=sh)
     for schedule in ("gather", "ring"):
-      obj = Objective(gamma=0.5, token_weight=1.0, token_schedule=schedule)
+      obj = Objective.of(gamma=0.5, token_weight=1.0, token_schedule=schedule)
       f = lambda o, m, obj=obj, mesh=mesh: obj({**o, "txt_mask": m, "scale": jnp.float32(30.0)}, mesh)[0]
       hlo = jax.jit(jax.value_and_grad(f)).lower(o, mask).compile().as_text()
       tokens = [int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"[fs]\d+\[([\d,]*)\]", hlo)
@@ -398,7 +398,7 @@ def sigmoid():
   x = jax.ShapeDtypeStruct((gb, d), jnp.float32, sharding=sh)
   out["sigmoid_memory"] = {}
   for schedule in ("gather", "ring"):
-    obj = Objective(gamma=0.5, kind="sigmoid", sigmoid_schedule=schedule)
+    obj = Objective.of(gamma=0.5, kind="sigmoid", sigmoid_schedule=schedule)
     f = lambda a, b, obj=obj: obj({**embedding_outputs(a, b, 10.0), "bias": jnp.float32(-10.0)}, mesh)[0]
     hlo = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(x, x).compile().as_text()
     shapes = [tuple(int(v) for v in dims.split(",")) for dims in re.findall(r"f32\[(\d+,\d+)\]", hlo)]

@@ -32,7 +32,7 @@ def test_margin_stats_match_numpy():
 def _embedding_diag(img, txt, scale, gamma):
   """The telemetry of make_batch_diagnostics, on given embeddings (no towers)."""
   out = {}
-  for name, obj in diagnostics._pairs(Objective(gamma=gamma)):
+  for name, obj in diagnostics._pairs(Objective.of(gamma=gamma)):
     def loss(i, t, obj=obj):
       v, aux = obj(embedding_outputs(i, t, scale), MESH)
       return v, aux["per_example"]
@@ -340,7 +340,7 @@ def test_telemetry_and_gradient_comparison_honour_accumulation():
   tokens = np.concatenate([np.full((8, 1), 2), r.integers(4, 64, (8, 6)), np.full((8, 1), 3)], 1).astype(np.int32)
   batch = {"image": r.normal(size=(8, 16, 16, 3)).astype(np.float32), "tokens": tokens}
   psh = jax.tree.map(lambda _: sharding.replicated(MESH), params)
-  obj = Objective(gamma=0.5, token_weight=1.0)
+  obj = Objective.of(gamma=0.5, token_weight=1.0)
   got = {}
   for accum in (1, 2):
     d = diagnostics.make_batch_diagnostics(graphdef, MESH, obj, accum, "global_batch")(params, batch)

@@ -81,8 +81,8 @@ def test_hinge_value_and_gradients_match_numpy(block):
   """hinge_rows, computed `block` × `block` pairs at a time (block 4 does not divide B = 6: tiles of 3), equals the
   float64 hinge; gradients equal its central differences."""
   img, txt = _agg(0)
-  f = jax.jit(lambda i, t: sum(jnp.sum(x) for x in losses.hinge_rows(i, t, 0, 0.2, block=block)))
-  i2t, t2i = losses.hinge_rows(jnp.asarray(img), jnp.asarray(txt), 0, 0.2, block=block)
+  f = jax.jit(lambda i, t: sum(jnp.sum(x) for x in finelip_fw.hinge_rows(i, t, 0, 0.2, block=block)))
+  i2t, t2i = finelip_fw.hinge_rows(jnp.asarray(img), jnp.asarray(txt), 0, 0.2, block=block)
   w_i2t, w_t2i = np_hinge(img, txt)
   np.testing.assert_allclose(i2t, w_i2t, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(t2i, w_t2i, rtol=1e-5, atol=1e-6)
@@ -99,12 +99,12 @@ def test_hinge_margin_option_adds_gamma_gbar_without_gradient():
   emb = _unit(r.normal(size=(6, 8))).astype(np.float32)
   g = emb.astype(np.float64) @ emb.T.astype(np.float64)
   np.fill_diagonal(g, 0.0)
-  got = losses.hinge_rows(jnp.asarray(img), jnp.asarray(txt), 0, 0.2, hn_margin=(0.5, emb, emb))
+  got = finelip_fw.hinge_rows(jnp.asarray(img), jnp.asarray(txt), 0, 0.2, hn_margin=(0.5, emb, emb))
   want = np_hinge(img, txt, extra=0.5 * g)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
   assert not np.allclose(want[0], np_hinge(img, txt)[0])  # the margin changes the loss ...
-  d_emb = jax.grad(lambda e: sum(jnp.sum(x) for x in losses.hinge_rows(img, txt, 0, 0.2, hn_margin=(0.5, e, e))))(
+  d_emb = jax.grad(lambda e: sum(jnp.sum(x) for x in finelip_fw.hinge_rows(img, txt, 0, 0.2, hn_margin=(0.5, e, e))))(
       jnp.asarray(emb))
   assert np.all(np.asarray(d_emb) == 0)  # ... but Ḡ is a constant
 
@@ -137,7 +137,7 @@ def test_finelip_objective_value_and_gradients_match_numpy(reduction, global_wei
   """w_g·L_HN + w·ramp(step)·hinge from the outputs dict: value, and gradients w.r.t. every output."""
   out = _outputs(3)
   s = float(out["scale"])
-  obj = Objective(gamma=0.5, global_weight=global_weight, chunk_size=chunk,
+  obj = Objective.of(gamma=0.5, global_weight=global_weight, chunk_size=chunk,
                   terms=(FineLIPTerm(weight=2.0, reduction=reduction, ramp_steps=8),))
   got, g = jax.jit(jax.value_and_grad(lambda o: obj(o, MESH, jnp.int32(2))[0]))(out)
   norm = 6 if reduction == "mean" else 1
@@ -160,7 +160,7 @@ def test_finelip_objective_value_and_gradients_match_numpy(reduction, global_wei
 
 def test_ramp_runs_from_zero_to_the_full_weight():
   out = _outputs(4)
-  obj = Objective(gamma=0.5, terms=(FineLIPTerm(weight=1.0, ramp_steps=10),))
+  obj = Objective.of(gamma=0.5, terms=(FineLIPTerm(weight=1.0, ramp_steps=10),))
   hn = float(np_reference(out["img"], out["txt"], float(out["scale"]), 0.5)[0])
   at = jax.jit(lambda o, step: obj(o, MESH, step))  # the step traced, as in the train step: one compile
   fine = float(at(out, 0)[1]["terms"]["fine"])
@@ -168,13 +168,13 @@ def test_ramp_runs_from_zero_to_the_full_weight():
   for step, ramp in ((0, 0.0), (5, 0.5), (10, 1.0), (1000, 1.0)):
     np.testing.assert_allclose(at(out, step)[0], hn + ramp * fine, rtol=1e-5)
   np.testing.assert_allclose(jax.jit(lambda o: obj(o, MESH, None)[0])(out), hn + fine, rtol=1e-5)  # no step: full
-  np.testing.assert_allclose(jax.jit(lambda o: obj.replace(terms=(FineLIPTerm(weight=1.0, ramp_steps=0),))(o, MESH, 0)[0])(out), hn + fine,
+  np.testing.assert_allclose(jax.jit(lambda o: obj.replace(terms=obj.terms[:1] + (FineLIPTerm(weight=1.0, ramp_steps=0),))(o, MESH, 0)[0])(out), hn + fine,
                              rtol=1e-5)
 
 
 def test_gamma_zero_finelip_is_its_own_infonce_plus_hinge():
   out = _outputs(5)
-  got = Objective(gamma=0.0, terms=(FineLIPTerm(weight=1.0),))(out, MESH)[0]
+  got = Objective.of(gamma=0.0, terms=(FineLIPTerm(weight=1.0),))(out, MESH)[0]
   s = float(out["scale"])
   hn0 = np_reference(out["img"], out["txt"], s, 0.0)[0]
   np.testing.assert_allclose(got, hn0 + sum(x.sum() for x in np_hinge(out["img_agg"], out["txt_agg"])), rtol=1e-5)
@@ -210,7 +210,7 @@ def test_model_aggregates_cls_plus_k_patches_and_k_words_plus_end_token():
   graphdef, params = init_params(TINY, 0)
   images, tokens, lengths = _batch()
 
-  obj = Objective().replace(terms=(FineLIPTerm(),))
+  obj = Objective.of(terms=(FineLIPTerm(),))
 
   @jax.jit  # (one compile instead of op-by-op dispatch)
   def run(params, images, tokens):

@@ -30,7 +30,7 @@ GOAL = dict(segment_weight=0.5, patch_weight=1.0, text_weight=1.0)
 
 
 def goal_objective(gamma=0.5, **kw):
-  return Objective(gamma=gamma, terms=(GOALTerm(**{**GOAL, **kw}),))
+  return Objective.of(gamma=gamma, terms=(GOALTerm(**{**GOAL, **kw}),))
 
 
 def _run(objective, outputs, step=None):
@@ -126,7 +126,7 @@ def test_goal_gamma_zero_is_goal_with_plain_infonce_and_margin_changes_the_loss(
   np.testing.assert_allclose(loss0, np_goal(out, 0.0, False), rtol=1e-5)
   hn0 = np_reference(out["img"], out["txt"], 6.0, 0.0)[0]
   assert abs(float(loss0) - hn0) > 1e-2  # the GOAL terms are really there
-  plain = _run(Objective(gamma=0.0), {k: out[k] for k in ("img", "txt", "scale")})[0]
+  plain = _run(Objective.of(gamma=0.0), {k: out[k] for k in ("img", "txt", "scale")})[0]
   np.testing.assert_allclose(plain, hn0, rtol=1e-6)
   a = _run(goal_objective(), {**out, **masks})[1]["terms"]["seg"]
   b = _run(goal_objective(segment_margin=True), {**out, **masks})[1]["terms"]["seg"]

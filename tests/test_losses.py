@@ -137,7 +137,7 @@ out = {}
 for shape in [(8, 1, 1), (2, 4, 1), (1, 8, 1), (2, 2, 2), (4, 1, 2)]:
   mesh = Mesh(np.array(jax.devices()).reshape(shape), ("data", "fsdp", "tensor"))
   sh = NamedSharding(mesh, P(("data", "fsdp")))
-  f = lambda a, b: Objective(gamma=0.5)(embedding_outputs(a, b, 30.0), mesh)[0]
+  f = lambda a, b: Objective.of(gamma=0.5)(embedding_outputs(a, b, 30.0), mesh)[0]
   val, (gv, gt) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(jax.device_put(v, sh), jax.device_put(t, sh))
   out[str(shape)] = [abs(float(val) - float(dense[0])) / abs(float(dense[0])),
                      float(np.abs(np.asarray(gv) - np.asarray(dense[1][0])).max()),

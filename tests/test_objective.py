@@ -12,6 +12,7 @@ from hnclip_jax import config as config_lib, losses, optim, sharding, train_step
 from hnclip_jax.models import CLIPConfig, bind, init_params
 from hnclip_jax.models.clip import LOGIT_SCALE_PARAM_MAX
 from hnclip_jax.objective import Objective
+from hnclip_jax.terms import TokenTerm
 from test_losses import np_reference, np_sigmoid_reference
 
 MESH = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES)
@@ -74,7 +75,7 @@ def test_objective_value_and_gradients_match_numpy(weight, chunk):
   analytic gradient (test_losses.np_reference) plus λ times the token term's central differences."""
   out = _outputs(0)
   s = float(out["scale"])
-  got, g = _value_and_grads(Objective(gamma=0.5, token_weight=weight, chunk_size=chunk), out)
+  got, g = _value_and_grads(Objective.of(gamma=0.5, token_weight=weight, chunk_size=chunk), out)
   it, tt, m = out["img_tokens"], out["txt_tokens"], out["txt_mask"]
   hn, dv, dt = np_reference(out["img"], out["txt"], s, 0.5)
   want = hn + weight * np_token_loss(it, tt, m, s)
@@ -96,7 +97,7 @@ def test_sigmoid_objective_matches_numpy(schedule, chunk):
   """config.loss.kind="sigmoid": value, per-example losses (each image's row sum) and gradients w.r.t. both
   embeddings, t and b equal float64 NumPy (test_losses.np_sigmoid_reference), with the token term added on top."""
   out = {**_outputs(1), "bias": np.float32(-4.0)}
-  obj = Objective(gamma=0.5, kind="sigmoid", sigmoid_schedule=schedule, chunk_size=chunk)
+  obj = Objective.of(gamma=0.5, kind="sigmoid", sigmoid_schedule=schedule, chunk_size=chunk)
   got, g = _value_and_grads(obj, out)
   want, dv, dt, ds, db = np_sigmoid_reference(out["img"], out["txt"], 7.0, -4.0, 0.5)
   np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -104,16 +105,16 @@ def test_sigmoid_objective_matches_numpy(schedule, chunk):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
   per = np.asarray(obj({**out}, MESH)[1]["per_example"])
   np.testing.assert_allclose(per.mean(), want, rtol=1e-5)
-  assert obj.plain_name == "siglip" and Objective().plain_name == "infonce"
-  both, _ = _value_and_grads(obj.replace(token_weight=1.0), out)
+  assert obj.plain_name == "siglip" and Objective.of().plain_name == "infonce"
+  both, _ = _value_and_grads(obj.replace(terms=obj.terms + (TokenTerm(weight=1.0),)), out)
   np.testing.assert_allclose(both, want + np_token_loss(out["img_tokens"], out["txt_tokens"], out["txt_mask"], 7.0),
                              rtol=1e-5)
 
 
 def test_sigmoid_loss_needs_a_logit_bias_and_valid_settings():
   with pytest.raises(ValueError, match="kind='sigmoid' needs the model's learned logit bias"):
-    Objective(kind="sigmoid").check(CLIPConfig())
-  Objective(kind="sigmoid").check(CLIPConfig(logit_bias=True))
+    Objective.of(kind="sigmoid").check(CLIPConfig())
+  Objective.of(kind="sigmoid").check(CLIPConfig(logit_bias=True))
   c = config_lib.base_config()
   c.loss.kind = "hinge"
   with pytest.raises(ValueError, match="config.loss.kind='hinge'; choose one of"):
@@ -147,9 +148,9 @@ def test_token_term_options_match_numpy():
   hn = np_reference(out["img"], out["txt"], s, 0.5)[0]
   g = out["txt"].astype(np.float64) @ out["txt"].T.astype(np.float64)
   np.fill_diagonal(g, 0.0)
-  got, _ = _value_and_grads(Objective(gamma=0.5, token_weight=1.0, token_margin=True), out)
+  got, _ = _value_and_grads(Objective.of(gamma=0.5, token_weight=1.0, token_margin=True), out)
   np.testing.assert_allclose(got, hn + np_token_loss(it, tt, m, s, margin=0.5 * g), rtol=1e-5)
-  got, _ = _value_and_grads(Objective(gamma=0.5, token_weight=2.0, token_logit_scale=25.0), out)
+  got, _ = _value_and_grads(Objective.of(gamma=0.5, token_weight=2.0, token_logit_scale=25.0), out)
   np.testing.assert_allclose(got, hn + 2.0 * np_token_loss(it, tt, m, 25.0), rtol=1e-5)
 
 
@@ -171,17 +172,17 @@ def test_token_groups_match_numpy(group, chunk):
       parts.append(np_token_loss(it[k:k + group], tt[k:k + group], m[k:k + group], s, margin=0.5 * g))
     return float(np.mean(parts))  # equal groups: the mean over groups is the mean over all rows
 
-  obj = Objective(gamma=0.5, token_weight=1.0, token_margin=True, token_group=group, chunk_size=chunk)
+  obj = Objective.of(gamma=0.5, token_weight=1.0, token_margin=True, token_group=group, chunk_size=chunk)
   got, g = _value_and_grads(obj, out)
   np.testing.assert_allclose(got, hn + grouped(it, tt), rtol=1e-5)
   assert abs(grouped(it, tt) - np_token_loss(it, tt, m, s)) > 1e-3  # the groups really change the term
   np.testing.assert_allclose(g["img_tokens"], _numeric_grad(lambda x: grouped(x, tt), it), rtol=1e-3, atol=2e-6)
   np.testing.assert_allclose(g["txt_tokens"], _numeric_grad(lambda x: grouped(it, x), tt), rtol=1e-3, atol=2e-6)
-  whole, _ = _value_and_grads(Objective(gamma=0.5, token_weight=1.0, token_group=6), out)
-  plain, _ = _value_and_grads(Objective(gamma=0.5, token_weight=1.0), out)
+  whole, _ = _value_and_grads(Objective.of(gamma=0.5, token_weight=1.0, token_group=6), out)
+  plain, _ = _value_and_grads(Objective.of(gamma=0.5, token_weight=1.0), out)
   np.testing.assert_allclose(whole, plain, rtol=1e-6)
   with pytest.raises(ValueError, match=r"config.loss.token_group=4 must divide the per-device batch 6"):
-    _value_and_grads(Objective(gamma=0.5, token_weight=1.0, token_group=4), out)
+    _value_and_grads(Objective.of(gamma=0.5, token_weight=1.0, token_group=4), out)
 
 
 def np_select(tokens, emb, keep, mask=None):
@@ -222,8 +223,8 @@ def test_token_keep_matches_numpy(keep, group):
       parts.append(np_token_loss(ki[sl], kt[sl], t_mask[sl], s, margin=0.5 * g))
     return float(np.mean(parts))
 
-  obj = Objective(gamma=0.5, token_weight=1.0, token_margin=True, token_group=group, token_keep=keep)
-  selected = lambda o, mesh: obj(obj.select_tokens(o), mesh)  # what `forward` does before the loss  # noqa: E731
+  obj = Objective.of(gamma=0.5, token_weight=1.0, token_margin=True, token_group=group, token_keep=keep)
+  selected = lambda o, mesh: obj({**o, **obj.term(TokenTerm).outputs(None, o, None)}, mesh)  # what `forward` does before the loss  # noqa: E731
   got, g = _value_and_grads(selected, out)
   np.testing.assert_allclose(got, hn + term(it, tt), rtol=1e-5)
   np.testing.assert_allclose(g["img_tokens"], _numeric_grad(lambda x: term(x, tt), it), rtol=1e-3, atol=2e-6)
@@ -235,25 +236,25 @@ def test_token_keep_matches_numpy(keep, group):
   norm = lambda x: np.abs(np.asarray(x)).sum(-1)
   assert np.all(norm(g["img_tokens"])[~kept_i] == 0) and np.all(norm(g["img_tokens"])[kept_i] > 0)
   assert np.all(norm(g["txt_tokens"])[~kept_t] == 0) and np.all(norm(g["txt_tokens"])[kept_t] > 0)
-  whole, _ = _value_and_grads(obj.replace(token_keep=1.0), out)
+  whole, _ = _value_and_grads(obj.with_term(TokenTerm, token_keep=1.0), out)
   assert abs(got - whole) > 1e-3  # the selection really changes the term
-  full, _ = _value_and_grads(Objective(gamma=0.5, token_weight=1.0, token_margin=True, token_group=group), out)
+  full, _ = _value_and_grads(Objective.of(gamma=0.5, token_weight=1.0, token_margin=True, token_group=group), out)
   np.testing.assert_allclose(whole, full, rtol=1e-6)
 
 
 def test_token_weight_zero_is_exactly_the_hn_loss_and_asks_for_no_tokens():
   out = _outputs(2)
-  obj = Objective(gamma=0.5, token_weight=0.0)
+  obj = Objective.of(gamma=0.5, token_weight=0.0)
   got, aux = obj({k: out[k] for k in ("img", "txt", "scale")}, MESH)
   # Bit for bit the loss the train step used before the token term existed: psum of the rows' sums over 2B ...
   i2t, t2i = losses.contrastive_rows(out["img"], out["txt"], out["img"], out["txt"], jnp.float32(7.0), 0.5, 0)
   assert float(got) == float((jnp.sum(i2t) + jnp.sum(t2i)) / 12)
   np.testing.assert_allclose(got, losses.hn_clip_loss(out["img"], out["txt"], out["scale"], 0.5), rtol=1e-6)
   # ... and the L_HN part of the objective with the token term on.
-  _, aux_tok = Objective(gamma=0.5, token_weight=1.0)(out, MESH)
+  _, aux_tok = Objective.of(gamma=0.5, token_weight=1.0)(out, MESH)
   assert float(aux_tok["terms"]["hn"]) == float(got)
   assert obj.model_kwargs == {} and set(aux["terms"]) == {"hn"}
-  with_tok = Objective(gamma=0.5, token_weight=1.0)
+  with_tok = Objective.of(gamma=0.5, token_weight=1.0)
   assert with_tok.model_kwargs == {"token_layer": -1, "image_cls_token": False}
 
 
@@ -261,7 +262,7 @@ def test_one_device_never_holds_the_pairwise_token_tensor():
   b, p, l, e = 64, 16, 12, 8
   out = {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in
          {"img": (b, e), "txt": (b, e), "img_tokens": (b, p, e), "txt_tokens": (b, l, e)}.items()}
-  f = lambda o, m: Objective(token_weight=1.0)({**o, "txt_mask": m, "scale": jnp.float32(10.0)}, MESH)[0]
+  f = lambda o, m: Objective.of(token_weight=1.0)({**o, "txt_mask": m, "scale": jnp.float32(10.0)}, MESH)[0]
   hlo = jax.jit(jax.value_and_grad(f)).lower(out, jax.ShapeDtypeStruct((b, l), jnp.bool_)).compile().as_text()
   sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"[fs]\d+\[([\d,]*)\]", hlo)]
   assert max(sizes) <= losses.TOKEN_BLOCK ** 2 * p * l < b * b * p * l
@@ -277,7 +278,7 @@ def test_loss_dot_products_run_at_full_fp32_precision():
   (config.dtype=bfloat16) are multiplied in bf16 and accumulated into fp32."""
   out = _outputs(3)
   floats = {k: v for k, v in out.items() if k != "txt_mask"}
-  f = lambda fl: Objective(token_weight=1.0)({**fl, "txt_mask": out["txt_mask"]}, MESH)[0]
+  f = lambda fl: Objective.of(token_weight=1.0)({**fl, "txt_mask": out["txt_mask"]}, MESH)[0]
   dots = _dots(jax.jit(jax.value_and_grad(f)).lower(floats).as_text())
   assert len(dots) >= 10 and all("precision = [HIGHEST, HIGHEST]" in d for d in dots), dots
   half = {**floats, **{k: floats[k].astype(jnp.bfloat16) for k in ("img_tokens", "txt_tokens")}}
@@ -319,7 +320,7 @@ def test_model_outputs_dict(tiny):
   early = m(pixels, tokens, token_layer=0)
   assert np.abs(np.asarray(early["txt_tokens"]) - np.asarray(out["txt_tokens"])).max() > 1e-2
   with pytest.raises(ValueError, match="config.loss.token_layer=2 is outside"):
-    Objective(token_weight=1.0, token_layer=2).check(CFG)
+    Objective.of(token_weight=1.0, token_layer=2).check(CFG)
 
 
 def test_separate_token_projection_starts_equal_and_learns_on_its_own(tiny):
@@ -336,8 +337,8 @@ def test_separate_token_projection_starts_equal_and_learns_on_its_own(tiny):
     np.testing.assert_array_equal(a[k], b[k])
   grad = lambda obj: jax.jit(jax.grad(lambda p: obj(bind(sep_graphdef, p)(pixels, tokens, **obj.model_kwargs),
                                                      MESH)[0]))(sep_params)
-  assert np.abs(grad(Objective(token_weight=1.0))["text_token_projection"]).max() > 0
-  assert np.abs(grad(Objective(token_weight=0.0))["text_token_projection"]).max() == 0
+  assert np.abs(grad(Objective.of(token_weight=1.0))["text_token_projection"]).max() > 0
+  assert np.abs(grad(Objective.of(token_weight=0.0))["text_token_projection"]).max() == 0
   pre = Pretrained(CFG, params, None, "test").with_token_projection("separate")
   np.testing.assert_array_equal(pre.params["visual_token_projection"], params["visual_projection"])
   with pytest.raises(ValueError, match="would drop them"):
@@ -361,7 +362,7 @@ def test_logit_scale_moves_down_from_a_real_long_clip_value(tiny):
   params = dict(params, logit_scale=jnp.float32(4.6052))
   config = config_lib.base_config()
   config.optimizer.update(dict(lr=0.05, warmup_steps=0))
-  g = jax.jit(jax.grad(lambda p: Objective()(bind(graphdef, p)(pixels, tokens), MESH)[0]))(params)["logit_scale"]
+  g = jax.jit(jax.grad(lambda p: Objective.of()(bind(graphdef, p)(pixels, tokens), MESH)[0]))(params)["logit_scale"]
   assert float(g) > 0  # the loss falls as s falls
   step, state = _step(graphdef, params, optim.make_optimizer(config.optimizer, 10), lr=0.05, warmup_steps=0)
   state, metrics = step(state, {"image": pixels, "tokens": tokens})

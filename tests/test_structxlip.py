@@ -26,7 +26,7 @@ SX = dict(structure_weight=0.5, consistency_weight=0.05, local_weight=0.1)
 
 
 def sx_objective(gamma=0.5, **kw):
-  return Objective(gamma=gamma, terms=(StructXLIPTerm(**{**SX, **kw}),))
+  return Objective.of(gamma=gamma, terms=(StructXLIPTerm(**{**SX, **kw}),))
 
 
 def _unit(x):
@@ -94,7 +94,7 @@ def test_local_term_matches_numpy():
   """Multi-positive InfoNCE of chunks vs crops: value and gradients (float64 central differences); rows without a
   valid chunk or without a valid crop contribute nothing and get no gradient."""
   o = _outputs(0)
-  f = lambda ch, cr: losses.multi_positive_rows(ch, jnp.asarray(o["sx_chunk_valid"]), cr,  # noqa: E731
+  f = lambda ch, cr: structxlip_fw.multi_positive_rows(ch, jnp.asarray(o["sx_chunk_valid"]), cr,  # noqa: E731
                                                 jnp.asarray(o["sx_crop_valid"]), jnp.float32(9.0), 0)
   got, applies = f(jnp.asarray(o["sx_chunks"]), jnp.asarray(o["sx_crop_img"]))
   want, want_applies = np_local(o["sx_chunks"], o["sx_chunk_valid"], o["sx_crop_img"], o["sx_crop_valid"], 9.0)
@@ -149,8 +149,8 @@ def test_weight_schedule_matches_the_authors_formula():
     else:
       progress = min(max(epoch - 1, 0), 7)
       want = floors + (1 - floors) * 0.5 * (1 + np.cos(np.pi * progress / 7))
-    np.testing.assert_allclose(obj.terms[0].schedule(step), want, rtol=1e-6, err_msg=str(step))
-  np.testing.assert_allclose(sx_objective().terms[0].schedule(500), np.ones(3))
+    np.testing.assert_allclose(obj.term(StructXLIPTerm).schedule(step), want, rtol=1e-6, err_msg=str(step))
+  np.testing.assert_allclose(sx_objective().term(StructXLIPTerm).schedule(500), np.ones(3))
   o = _outputs(2)
   loss_late = _run(obj, o, 200)[0]
   want, terms = np_sx(o)
@@ -192,7 +192,7 @@ def test_model_structure_outputs_match_numpy():
         "sx_crop_valid": np.array([[True, False], [True, True], [False, False]]), "sx_tokens": tokens,
         "sx_chunks": chunks}
   # Through the objective's forward pass, as training runs it: the model's outputs plus StructXLIPTerm.outputs.
-  obj = Objective(terms=(StructXLIPTerm(),))
+  obj = Objective.of(terms=(StructXLIPTerm(),))
   out = jax.jit(lambda p, x, t, st: obj.forward(bind(graphdef, p), {"image": x, "tokens": t, **st}))(
       params, sx["sx_edge"], tokens, sx)
   hidden = jax.jit(lambda p, t: bind(graphdef, p)._text_tower(t)[2])(params, tokens)
@@ -330,7 +330,7 @@ def test_structxlip_trains_resumes_bit_identically_and_evaluates(tmp_path, tfds_
   run_py([*args, "--workdir", workdir])
   rows = [r for r in _metrics(workdir) if "loss" in r]
   assert [r["step"] for r in rows] == [2, 4, 6]
-  obj = sx_objective(steps_per_epoch=2, decay_epochs=3).terms[0]
+  obj = sx_objective(steps_per_epoch=2, decay_epochs=3).term(StructXLIPTerm)
   for r in rows:  # the logged loss is that of step r["step"] - 1
     f = np.asarray(obj.schedule(r["step"] - 1)) * [0.5, 0.05, 0.1]
     assert r["loss"] == pytest.approx(r["loss/hn"] + f[0] * r["loss/struct"] + f[1] * r["loss/consist"]

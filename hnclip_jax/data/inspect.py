@@ -9,10 +9,14 @@ tokenizer.json, or bpe_simple_vocab_16e6.txt.gz), SigLIP tokens when it names a 
 tokenizer.json with a SigLIP config.json), else word-level tokens of a vocabulary fitted on the split.
 """
 
+import json
+import os
+
 import numpy as np
 from absl import app, flags
 
 from hnclip_jax.cli import clean_errors
+from hnclip_jax.data.siglip_tokenizer import SPIECE, SigLIPTokenizer
 
 flags.DEFINE_string("split", "test", "Split to inspect.")
 flags.DEFINE_string("manual_dir", "", "Directory with the downloaded files (not needed for 'synthetic').")
@@ -24,9 +28,6 @@ flags.DEFINE_bool("skip_bad", False, "Build with on_bad_example=skip.")
 
 def _siglip_tokenizer(directory: str):
   """The SigLIP tokenizer of a SigLIP directory (spiece.model, or tokenizer.json next to a SigLIP config.json)."""
-  import json
-  import os
-  from hnclip_jax.data.siglip_tokenizer import SPIECE, SigLIPTokenizer
   config = os.path.join(directory, "config.json")
   is_siglip = os.path.exists(os.path.join(directory, SPIECE))
   if not is_siglip and os.path.exists(config):

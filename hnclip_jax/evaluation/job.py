@@ -25,7 +25,7 @@ from hnclip_jax import experiment, frameworks, paths, sharding, storage
 from hnclip_jax.data import builders, pipeline
 from hnclip_jax.evaluation import benchmarks as bench_lib, embedding
 from hnclip_jax.evaluation.retrieval import recall_from_scores
-from hnclip_jax.metrics import log
+from hnclip_jax.metrics import MetricsWriter, log
 from hnclip_jax.models import abstract_model
 from hnclip_jax.workdir import Workdir, check_model_compatible, write_model, write_tokenizer
 
@@ -223,7 +223,6 @@ def watch(ev: Evaluator, *, poll_s: float, timeout_s: float, newest_only: bool, 
   """Follows the workdir's checkpoints until the final step is evaluated or none came for timeout_s; returns
   {"evaluated": [steps], "skipped": [steps], "best": {...}}. One process
   (eval.py refuses --watch on several: their views of a directory that changes under them would differ)."""
-  from hnclip_jax.metrics import MetricsWriter
   wd = ev.wd
   rows = wd.eval_records()
   done = watched_steps(rows, ev.benchmarks, ev.score)

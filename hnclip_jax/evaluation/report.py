@@ -11,6 +11,8 @@ import os
 
 import numpy as np
 
+from hnclip_jax.evaluation.retrieval import check_finite
+
 REPORT_FILE = "index.html"
 
 
@@ -49,7 +51,6 @@ def write_report(out_dir: str, *, img, txt, caption_image, captions, image_bytes
   (N_cap strings), image_bytes(row) -> the encoded image. A retrieved image is marked a near-twin of the query
   when one of its captions has cosine similarity >= twin_threshold with the query caption (text encoder).
   """
-  from hnclip_jax.evaluation.retrieval import check_finite
   check_finite(**{"image embeddings": img, "caption embeddings": txt})
   caption_image = np.asarray(caption_image)
   k = min(k, len(img))

@@ -1,30 +1,11 @@
 """Fine-tuning frameworks as plug-ins. A framework is a module (the built-in ones: finelip.py, goal.py,
 structxlip.py) or any object with the same attributes (`config.framework="package.module:Name"` imports `Name` from
-a module outside this package). All of them are optional:
-
-- `TITLE`, `CONFIG` (its settings' defaults: config.<BLOCK>), `BLOCK` (the block's name; a built-in framework's is
-  its registry name), `NON_NEGATIVE` (keys of the block that must be >= 0), `ALWAYS_READ` (keys read even when
-  another framework is chosen), `LOSS_SETTINGS` (config.loss keys it reads even with the token term off);
-- `model_fields(config)`: checks its block, returns the architecture fields (CLIPConfig) it implies, e.g. its own
-  modules: `parts` ("package.module:function", the function (cfg, settings, rngs) -> {attribute: nnx.Module}
-  the model adds; its attribute `check(cfg, settings)` runs in CLIPConfig.validate) and `part_settings`
-  ((key, value) pairs); their parameters are replicated on the mesh (sharding.py);
-- `upgrade_model_dict(d)`: a saved model description (model.json, a checkpoint's) of an older layout -> today's;
-- `SCORES`: {name: `Score`} eval scores for the models its parts make (`eval.py --score=name`);
-- `objective(config, obj)`: `obj` with its loss terms added (each a `Term`, base.py: the term's math, the extra
-  model outputs it reads, its inputs);
-- `inputs(config, model_cfg, tokenizer)`: a picklable callable (example, caption, image uint8 [H, W, 3], seed, step,
-  index) -> {name: array} that the input pipeline adds to each training example (None: nothing);
-- `input_specs(config, model_cfg)`: {name: (shape without the batch dimension, dtype)} of those entries, for the
-  compiled program (`train_step.abstract_batch`, `tools/compile_for`);
-- `check_data(config, objective)`: before compiling, raises naming what the data lacks; returns a line to log;
-- `logit_scale_max(config)`: a clamp of the learned logit scale;
-- `resolve_epochs(config, steps_per_epoch)`: its settings given in epochs (-1 = one) as steps, once the training
-  split's size is known;
-- `trained_with_adapters(model_cfg)`: regexes of parameters that train under LoRA / DoRA though not adapters;
-- `PARAMS` (the model's top-level modules it adds) and `start_params(params, model_cfg, seed, source)`: pretrained
-  weights (config.init_from) given its modules — fresh ones added, or a start's own checked; another framework's
-  `PARAMS` are left out of a start (experiment.start_params).
+a module outside this package). What it may define, with every hook's signature, is one class:
+`hnclip_jax.frameworks.base.Framework` (the contract; all optional). A framework is checked against it when it is
+resolved: an attribute that looks like a hook but is none (a misspelling) or a hook with other arguments is refused
+in one line. Its loss terms are `Term`s (base.py); the batch entries and model outputs they read are
+`base.BATCH_KEYS` and `base.OUTPUT_KEYS` (plus what frameworks add), and a term asking for one that does not exist
+is refused naming the ones that do.
 
 docs/frameworks.md ("Write your own framework") walks through one. `blocks`, `model_fields`, `objective_for`, `hook`,
 `settings`, `loss_settings`, `score` and `upgrade_model_dict` are what the core asks of this package; nothing outside
@@ -37,7 +18,7 @@ import importlib
 import ml_collections
 
 from hnclip_jax.data.pipeline import BATCH_KEYS
-from hnclip_jax.frameworks.base import Context, Score, Term
+from hnclip_jax.frameworks.base import HOOKS, Context, Framework, Score, Term, check_framework
 
 # config.framework -> the module of a built-in framework ("longclip": L_HN alone, no module).
 REGISTRY = {"longclip": None, "finelip": "hnclip_jax.frameworks.finelip", "goal": "hnclip_jax.frameworks.goal",
@@ -49,9 +30,21 @@ def blocks() -> list:
   return [(name, importlib.import_module(m)) for name, m in REGISTRY.items() if m is not None]
 
 
+_CHECKED = {}  # id(framework) -> framework: checked against the contract once per process
+
+
 def resolve(name: str):
-  """config.framework -> the framework (a module or object; None for "longclip"). A name with a colon,
-  "package.module:Name", imports Name from package.module (found on sys.path / PYTHONPATH)."""
+  """config.framework -> the framework (a module or object; None for "longclip"), checked against the contract
+  (base.Framework). A name with a colon, "package.module:Name", imports Name from package.module (found on sys.path
+  / PYTHONPATH)."""
+  fw = _find(name)
+  if fw is not None and id(fw) not in _CHECKED:
+    check_framework(fw, name)
+    _CHECKED[id(fw)] = fw
+  return fw
+
+
+def _find(name: str):
   if name in REGISTRY:
     return None if REGISTRY[name] is None else importlib.import_module(REGISTRY[name])
   if ":" not in name:
@@ -136,9 +129,13 @@ def model_fields(config) -> dict:
 
 
 def hook(config, name: str):
-  """The chosen framework's function `name` (None when it has none, or for "longclip")."""
+  """The chosen framework's function `name`, one of the contract's hooks (None when it has none, or for
+  "longclip"; a subclass of base.Framework that does not override it has none)."""
+  if name not in HOOKS:
+    raise AttributeError(f"{name!r} is no hook of the framework contract (base.Framework): {sorted(HOOKS)}")
   fw = resolve(check_name(config))
-  return None if fw is None else getattr(fw, name, None)
+  fn = None if fw is None else getattr(fw, name, None)
+  return None if fn is getattr(Framework, name) else fn
 
 
 def input_specs(config, model_cfg) -> dict:
@@ -198,6 +195,6 @@ def objective_for(config, obj):
   return obj if add is None else add(config, obj)
 
 
-__all__ = ["Context", "REGISTRY", "Score", "Term", "block_name", "blocks", "check_name", "external_block", "hook",
+__all__ = ["Context", "Framework", "REGISTRY", "Score", "Term", "block_name", "blocks", "check_name", "external_block", "hook",
            "input_specs", "loss_settings", "model_fields", "objective_for", "resolve", "score", "settings",
            "upgrade_model_dict", "use"]

@@ -17,6 +17,7 @@ from flax import nnx
 from hnclip_jax import losses
 from hnclip_jax.frameworks.base import Score, Term, one_epoch_as_steps
 from hnclip_jax.models.clip import l2_normalize
+from hnclip_jax.terms import ContrastiveTerm
 
 
 TITLE = "FineLIP"
@@ -172,6 +173,40 @@ def resolve_epochs(config, steps_per_epoch: int):
   return one_epoch_as_steps(config, "finelip.ramp_steps", steps_per_epoch)
 
 
+# FineLIP (Asokan et al. 2025): late interaction on aggregated tokens, and a hinge over all in-batch negatives.
+LEAKY_SLOPE = 0.1
+
+
+def late_interaction(img_r, txt_c, slope: float = LEAKY_SLOPE):
+  """FineLIP's score of r images against c captions: img_r [r, Ti, E], txt_c [c, Tt, E], L2-normalised per token.
+
+  For each pair the token similarities pass through LeakyReLU(slope); the text side is, per caption token, the max
+  over image tokens averaged over caption tokens, the image side the max over caption tokens averaged over image
+  tokens; the score is their sum (in [-2·slope, 2]). Returns [r, c] fp32 (the same score twice, for
+  `pairwise_rows`)."""
+  s = jax.nn.leaky_relu(losses.sims(img_r, txt_c, "ape,bqe->abpq"), slope)  # [r, c, Ti, Tt]
+  score = jnp.mean(jnp.max(s, axis=2), axis=2) + jnp.mean(jnp.max(s, axis=3), axis=2)
+  return score, score
+
+
+def hinge_rows(img_agg_rows, txt_agg_all, row_offset, margin: float = 0.2, block: int = losses.TOKEN_BLOCK,
+               hn_margin=None, cols_to_rows=lambda x: x):
+  """Per-example FineLIP hinge for a block of rows: img_agg_rows [n, Ti, E] (rows `row_offset ..`), txt_agg_all
+  [B, Tt, E]. With S the late-interaction scores (`late_interaction`):
+    i2t[a] = Σ_{b≠a} max(0, margin + S[a, b] − S[a, a])     (image a against every other caption)
+    t2i[a] = Σ_{b≠a} max(0, margin + S[b, a] − S[a, a])     (caption a against every other image)
+  hn_margin: None, or (gamma, txt_emb_rows [n, D], txt_emb_all [B, D]): add HN-CLIP's γ·Ḡ to the negatives' scores.
+  Returns (i2t [n], t2i [n]) fp32."""
+  n, batch = img_agg_rows.shape[0], txt_agg_all.shape[0]
+  # S and S^T rows
+  rows, cols_t = losses.pairwise_rows(late_interaction, img_agg_rows, (txt_agg_all,), block, cols_to_rows)
+  is_pos = losses.positives(n, batch, row_offset)
+  extra = 0.0 if hn_margin is None else losses.margin_rows(hn_margin[1], hn_margin[2], hn_margin[0], is_pos)
+  diag = jnp.sum(jnp.where(is_pos, rows, 0.0), axis=1, keepdims=True)  # S[a, a]
+  cost = lambda s: jnp.sum(jnp.where(is_pos, 0.0, jax.nn.relu(margin + s + extra - diag)), axis=1)
+  return cost(rows), cost(cols_t)
+
+
 @dataclasses.dataclass(frozen=True)
 class FineLIPTerm(Term):
   """w_f·ramp(step)·L_FineLIP: the hinge over every in-batch negative of the late-interaction scores of the
@@ -181,10 +216,13 @@ class FineLIPTerm(Term):
   reduction: str = "sum"  # "sum" over every violating pair (FineLIP) | "mean": divided by the batch size
   ramp_steps: int = 0  # w_f ramps linearly from 0 to 1 over these steps (0: no ramp)
   hn_margin: bool = False  # also add γ·Ḡ to the hinge's negatives
+  token_layer: int = -1  # config.loss.token_layer: the block whose tokens the aggregators read
+  token_image_cls: bool = False  # config.loss.token_image_cls
   names = ("fine",)
 
   def model_kwargs(self, objective, inputs=None) -> dict:
-    return {"token_layer": objective.token_layer, "image_cls_token": objective.token_image_cls}
+    del objective, inputs
+    return {"token_layer": self.token_layer, "image_cls_token": self.token_image_cls}
 
   def outputs(self, model, out, inputs, rng=None, hidden=None) -> dict:
     return {"img_agg": aggregate_image(model, hidden["image_tokens"]),
@@ -209,7 +247,7 @@ class FineLIPTerm(Term):
 
   def __call__(self, out, ctx, ramp):
     margin = (ctx.gamma, out["txt"], ctx.txt_all) if self.hn_margin and losses.has_margin(ctx.gamma) else None
-    fi2t, ft2i = losses.hinge_rows(out["img_agg"], ctx.gather(out["txt_agg"]), ctx.offset, self.margin,
+    fi2t, ft2i = hinge_rows(out["img_agg"], ctx.gather(out["txt_agg"]), ctx.offset, self.margin,
                                    block=ctx.chunk_size or losses.TOKEN_BLOCK, hn_margin=margin,
                                    cols_to_rows=ctx.cols_to_rows)
     norm = ctx.batch if self.reduction == "mean" else 1
@@ -223,8 +261,10 @@ def objective(config, obj):
   term; the paper's swap adds L_HN with weight config.finelip.global_weight)."""
   f = config.finelip
   term = FineLIPTerm(weight=float(f.weight), margin=float(f.margin), reduction=str(f.reduction),
-                     ramp_steps=max(int(f.ramp_steps), 0), hn_margin=bool(f.hn_margin))
-  return obj.replace(global_weight=float(f.global_weight), terms=obj.terms + (term,))
+                     ramp_steps=max(int(f.ramp_steps), 0), hn_margin=bool(f.hn_margin),
+                     token_layer=int(config.loss.token_layer), token_image_cls=bool(config.loss.token_image_cls))
+  obj = obj.with_term(ContrastiveTerm, weight=float(f.global_weight))
+  return obj.replace(terms=obj.terms + (term,))
 
 
 # ---- eval.py --score=finelip ----------------------------------------------------------------------------------
@@ -259,13 +299,13 @@ SCORES = {"finelip": FineLIPScore()}
 @functools.partial(jax.jit, static_argnames=("weight",))
 def _finelip_chunk(txt_c, txt_agg_c, img, img_agg, weight):
   return ((1.0 - weight) * losses.sims(txt_c, img, "cd,nd->cn") +
-          weight * losses.late_interaction(img_agg, txt_agg_c)[0].T)
+          weight * late_interaction(img_agg, txt_agg_c)[0].T)
 
 
 def finelip_scores(img, txt, img_agg, txt_agg, weight: float = 0.2, chunk: int = 16) -> np.ndarray:
   """FineLIP's inference score [N_cap, N_img]: (1 − weight)·cosine of the global embeddings (img [N_img, D], txt
   [N_cap, D]) + weight·late interaction of the aggregated tokens (img_agg [N_img, Ti, E], txt_agg [N_cap, Tt, E];
-  `losses.late_interaction`); `chunk` captions at a time against every image ([chunk, N_img, Ti, Tt] alive)."""
+  `late_interaction`); `chunk` captions at a time against every image ([chunk, N_img, Ti, Tt] alive)."""
   img, img_agg = jnp.asarray(img, jnp.float32), jnp.asarray(img_agg, jnp.float32)
   out = []
   for start in range(0, len(txt_agg), chunk):

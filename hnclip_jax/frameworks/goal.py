@@ -64,6 +64,13 @@ def pool_span(model, hidden, mask):
   return model.ln_final(_masked_mean(hidden, mask)) @ model.text_projection[...].astype(hidden.dtype)
 
 
+def cosine_mse_rows(a, b, valid):
+  """GOAL's alignment terms, per row: (cos(a_i, b_i) − 1)² for L2-normalised a, b [n, D]; 0 where valid [n] is
+  False."""
+  cos = jnp.sum(a.astype(losses.F32) * b.astype(losses.F32), axis=-1)
+  return jnp.where(valid, jnp.square(cos - 1.0), 0.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class GOALTerm(Term):
   """w_s·L_seg + w_p·L_patch + w_t·L_span, each a mean over the examples it applies to."""
@@ -96,8 +103,8 @@ class GOALTerm(Term):
     si2t, st2i = losses.contrastive_rows(out["seg_img"], out["seg_txt"], ctx.gather(out["seg_img"]),
                                          ctx.gather(out["seg_txt"]), ctx.scale, seg_gamma, ctx.offset,
                                          valid_all=ctx.gather(out["seg_valid"]))
-    patch = losses.cosine_mse_rows(out["patch_pool"], out["seg_img"], out["patch_valid"])
-    span = losses.cosine_mse_rows(out["span_pool"], out["seg_txt"], out["span_valid"])
+    patch = cosine_mse_rows(out["patch_pool"], out["seg_img"], out["patch_valid"])
+    span = cosine_mse_rows(out["span_pool"], out["seg_txt"], out["span_valid"])
     terms = {"seg": ctx.psum(jnp.sum(si2t) + jnp.sum(st2i)) / (2 * n_seg),
              "patch": ctx.psum(jnp.sum(patch)) / n_patch, "span": ctx.psum(jnp.sum(span)) / n_span}
     # Per-example shares of the masked means: they average to each term over the whole batch.

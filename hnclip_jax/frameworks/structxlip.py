@@ -92,6 +92,30 @@ def pool_chunks(model, hidden, masks):
   return model.ln_final(pooled) @ model.text_projection[...].astype(hidden.dtype)
 
 
+def multi_positive_rows(chunks, chunk_valid, crops_all, crop_valid_all, logit_scale, row_offset):
+  """StructXLIP's local term for a block of rows: each chunk of a row's caption against every valid crop of the
+  batch, multi-positive InfoNCE with the row's own valid crops as the positives.
+
+  chunks [n, C, E], chunk_valid [n, C] bool: rows `row_offset .. row_offset+n`; crops_all [B, K, E],
+  crop_valid_all [B, K] bool: the whole batch (L2-normalised features). Per chunk c of row i:
+  lse_{valid (b, k)} s·⟨c, crop_bk⟩ − lse_{valid (i, k)} s·⟨c, crop_ik⟩. Returns (loss [n]: the mean over the row's
+  valid chunks, 0 where it has no valid chunk or no valid crop; applies [n] bool: where it has both).
+  """
+  n, c, e = chunks.shape
+  b, k, _ = crops_all.shape
+  logits = logit_scale.astype(losses.F32) * losses.sims(chunks.reshape(n * c, e), crops_all.reshape(b * k, e),
+                                                        "ne,me->nm")
+  logits = logits.reshape(n, c, b, k)
+  mine = (row_offset + jnp.arange(n))[:, None] == jnp.arange(b)[None, :]  # [n, B]
+  pos = mine[:, None, :, None] & crop_valid_all[None, None]  # [n, 1, B, K]
+  den = jax.nn.logsumexp(jnp.where(crop_valid_all[None, None], logits, losses.NEG).reshape(n, c, -1), axis=-1)
+  num = jax.nn.logsumexp(jnp.where(pos, logits, losses.NEG).reshape(n, c, -1), axis=-1)
+  per_chunk = jnp.where(chunk_valid, den - num, 0.0)
+  count = jnp.sum(chunk_valid, axis=1)
+  applies = (count > 0) & jnp.any(pos.reshape(n, -1), axis=1)
+  return jnp.where(applies, jnp.sum(per_chunk, axis=1) / jnp.maximum(count, 1), 0.0), applies
+
+
 @dataclasses.dataclass(frozen=True)
 class StructXLIPTerm(Term):
   """Σ_k w_k·factor_k(epoch)·L_k, k ∈ {struct, consist, local}."""
@@ -144,7 +168,7 @@ class StructXLIPTerm(Term):
                                          ctx.gather(out["sx_txt"]), jax.lax.stop_gradient(ctx.scale), sc_gamma,
                                          ctx.offset)
     consist = 1.0 - jnp.sum(out["img"].astype(jnp.float32) * out["sx_edge_img"], axis=-1)
-    loc, applies = losses.multi_positive_rows(
+    loc, applies = multi_positive_rows(
         out["sx_chunks"], out["sx_chunk_valid"], ctx.gather(out["sx_crop_img"]), ctx.gather(out["sx_crop_valid"]),
         jnp.minimum(ctx.scale / self.tau, 100.0), ctx.offset)
     n_loc = jnp.maximum(ctx.psum(jnp.sum(applies.astype(jnp.float32))), 1.0)

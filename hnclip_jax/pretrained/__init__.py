@@ -3,17 +3,21 @@ converted directories (`python -m hnclip_jax.pretrained.convert`) and train.py w
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tokenizers
 
 from hnclip_jax import frameworks, paths, workdir as workdir_format
 from hnclip_jax.data import pipeline
-from hnclip_jax.models import CLIPConfig, abstract_model, bind
+from hnclip_jax.models import CLIPConfig, abstract_model, adapters, bind
 from hnclip_jax.pretrained import weights
 from hnclip_jax.data.clip_tokenizer import CLIPTokenizer
+from hnclip_jax.data.siglip_tokenizer import SigLIPTokenizer
+from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.pretrained.weights import stretch_positions
 
 __all__ = ["Pretrained", "load", "stretch_positions", "CLIPTokenizer"]
@@ -105,7 +109,6 @@ class Pretrained:
     """The same model with its LoRA / DoRA adapters folded into plain weights (itself when it has none)."""
     if self.config.adapter == "none":
       return self
-    from hnclip_jax.models import adapters
     cfg, params = adapters.merge_adapters(self.params, self.config)
     return Pretrained(cfg, jax.device_get(params), self.tokenizer, self.source + " (adapters merged)")
 
@@ -126,9 +129,6 @@ def _tokenizer_near(directory: str, context: int):
   from scratch here writes."""
   tj = os.path.join(directory, "tokenizer.json")
   if os.path.exists(tj) and not os.path.exists(os.path.join(directory, "vocab.json")):
-    import json
-    import tokenizers
-    from hnclip_jax.data.tokenizer import WordTokenizer
     with open(tj, encoding="utf-8") as f:
       kind = json.load(f).get("model", {}).get("type")
     if kind == "WordLevel":
@@ -215,7 +215,6 @@ def load(path: str, step: int | str | None = None) -> Pretrained:
       return Pretrained(got.config, got.params, got.tokenizer, path)
     cfg, params = weights.read_hf_directory(path)
     if cfg.family == "siglip":
-      from hnclip_jax.data.siglip_tokenizer import SigLIPTokenizer
       return Pretrained(cfg, params, SigLIPTokenizer.from_directory(path, cfg.text_context), path)
     return Pretrained(cfg, params, _tokenizer_near(path, cfg.text_context), path)
   if paths.is_url(path):  # an OpenAI .pt file (and a tokenizer beside it) from a local copy of its directory

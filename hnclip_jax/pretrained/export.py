@@ -33,6 +33,7 @@ from absl import app, flags
 from hnclip_jax import paths
 from hnclip_jax.cli import clean_errors
 from hnclip_jax.data.tokenizer import EOT, PAD, SOT, UNK
+from hnclip_jax.models import abstract_model
 
 flags.DEFINE_integer("step", None, "Checkpoint step of a train.py workdir (default: the newest).")
 flags.DEFINE_enum("format", "hf", ["hf", "openai"], "hf: a transformers CLIPModel directory; openai: an "
@@ -199,7 +200,6 @@ def parts_left_out(model) -> list[str]:
   place for them, so the export holds the towers only ([] for a model without parts)."""
   if not model.config.parts:
     return []
-  from hnclip_jax.models import abstract_model
   towers = set(abstract_model(dataclasses.replace(model.config, parts="", part_settings=()))[1])
   extra = sorted(k for k in model.params if k not in towers)
   return [f"the model's framework modules {extra} ({model.config.parts}) have no place in this format and were left "

@@ -58,6 +58,7 @@ import types  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from hnclip_jax import config as config_lib, experiment, sharding, train_step  # noqa: E402
 from hnclip_jax.cli import clean_errors  # noqa: E402
 from hnclip_jax.hlo import collective_stats, compiler_remat, matmul_flops  # noqa: E402
 
@@ -217,7 +218,6 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
   """Compiles train.py's step of `config` for `topology` (× `slices`); returns the per-chip report (see the module
   doc), and the compiled executable too with `return_compiled`."""
   import jax
-  from hnclip_jax import config as config_lib, sharding, train_step
   config = config_lib.validate(config)
   devices = topology_devices(topology, slices) if devices is None else devices
   chip = chip_spec(topology)
@@ -283,7 +283,6 @@ def compile_report(config, topology: str, devices=None, return_compiled: bool = 
 
 
 def _describe(config, topology, devices, mesh, model_cfg, slices=1) -> dict:
-  from hnclip_jax import sharding
   kind, groups = sharding.granules(list(devices))
   return {"topology": topology, "slices": slices, "devices": len(devices), "chips": chip_count(topology, slices),
           "granules": len(groups), "granule_kind": "host" if kind == "process" else kind,
@@ -319,7 +318,6 @@ def model_for(config):
   experiment.model_config): config.init_from's (read from the weights) or config.model. Without weights there is
   no data here to fit a tokenizer on: a vocabulary size 0 / end token -1 means the CLIP BPE tokenizer's 49,408 /
   the last id; sizes the config gives are taken as they are."""
-  from hnclip_jax import experiment
   if config.init_from:
     return experiment.pretrained_start(config)[0]
   vocab = config.model.vocab_size or CLIP_BPE_VOCAB
@@ -384,7 +382,6 @@ def _typed(value: str, current):
 
 
 def sweep(config, topology: str, slices: int = 1) -> list:
-  from hnclip_jax import sharding
   devices = topology_devices(topology, slices)
   n = len(devices) // math.prod(sharding.dcn_sizes(config.mesh))  # auto layouts: the sizes inside one granule
   layouts = (auto_layouts(n) if FLAGS.layouts == "auto" else
