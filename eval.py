@@ -60,14 +60,14 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   import jax
-  from hnclip_jax import cli, config as config_lib, experiment, paths, sharding, storage
+  from hnclip_jax import config as config_lib, experiment, paths, storage
   from hnclip_jax.data import builders
   from hnclip_jax.evaluation import benchmarks as bench_lib, embedding, job
   from hnclip_jax.metrics import log, quiet_libraries
   from hnclip_jax.workdir import Workdir
 
   quiet_libraries()
-  config = config_lib.validate(FLAGS.config)
+  config_lib.validate(FLAGS.config)  # a bad setting first, before the workdir is looked at
   workdir = paths.resolve(FLAGS.workdir, "--workdir")
   if paths.isfile(workdir):
     raise ValueError(f"--workdir={workdir} is a file; pass the directory train.py wrote to")
@@ -86,38 +86,33 @@ def main(argv):
                      "config.eval.benchmarks.NAME.split (default 'test'); set it there")
   # eval.py records its result in the workdir: find out now, not after the embedding pass
   storage.check_writable(workdir, "the workdir, where eval.py records its result (eval_results.json),")
-  storage.start_debug_log(workdir)
-  wd = Workdir(workdir)
-  steps = wd.checkpoint_steps()
+  steps = Workdir(workdir).checkpoint_steps()
   if not steps and not FLAGS.watch:
-    raise FileNotFoundError(f"no checkpoints in {wd.checkpoints}; train first with train.py --workdir {workdir}")
+    raise FileNotFoundError(f"no checkpoints in {Workdir(workdir).checkpoints}; train first with train.py "
+                            f"--workdir {workdir}")
   step = None
   if not FLAGS.watch:
     step = steps[-1] if FLAGS.step is None else FLAGS.step
     if step not in steps:
-      raise ValueError(f"--step={step} has no checkpoint in {wd.checkpoints}; available steps: {steps}")
-  config, data_note = experiment.resolve_data(config, wd, config_flags.get_override_values(FLAGS["config"]),
-                                              training=False)
+      raise ValueError(f"--step={step} has no checkpoint in {Workdir(workdir).checkpoints}; available steps: {steps}")
+  # the resolved run: the data (the workdir's, or the command line's), model, tokenizer, framework, mesh
+  run = experiment.resolve(FLAGS.config, workdir, "eval", overrides=config_flags.get_override_values(FLAGS["config"]))
+  config, wd = run.config, run.wd
   if FLAGS.benchmarks:
     benchmarks = bench_lib.resolve(config, FLAGS.benchmarks, order=list(FLAGS.config.eval.benchmarks))
   else:
     benchmarks = [bench_lib.own_data(config, FLAGS.split or config.data.eval_split)]
-  config = config_lib.freeze(config)  # the resolved run: read from here on, never changed
   for b in benchmarks:
     builders.check_data_config(b.data)
-  cli.enable_compilation_cache(config.compilation_cache_dir)
-  cli.maybe_initialize_distributed()
   if FLAGS.watch and jax.process_count() > 1:
     raise ValueError(f"--watch runs as one process ({jax.process_count()} joined): give it its own devices or a CPU "
                      "host (docs/evaluation.md)")
-  mesh = sharding.make_mesh(config.mesh)
-  rules = sharding.parse_rules(config.mesh.rules)
-  ev = job.Evaluator(config, wd, benchmarks, FLAGS.score, mesh, rules)
+  ev = job.Evaluator(run, benchmarks, FLAGS.score)
   if FLAGS.benchmarks:
     log("benchmarks: " + "; ".join(f"{b.name}: {experiment.describe_data(b.data)}, split '{b.split}'"
                                    for b in benchmarks))
   else:
-    log(f"{data_note}; split '{benchmarks[0].split}'")
+    log(f"{run.data_note}; split '{benchmarks[0].split}'")
   if ev.scorer is not None:
     log(f"score: {ev.scorer.describe(config)}")
   if FLAGS.watch:

@@ -28,55 +28,36 @@ def main(argv):
   import numpy as np
 
   import hnclip_jax
-  from hnclip_jax import (checkpoint, cli, config as config_lib, diagnostics, experiment, faults, frameworks, hlo,
-                          hostmem, optim, paths, preemption, sharding, storage, train_step)
+  from hnclip_jax import (checkpoint, config as config_lib, diagnostics, experiment, faults, hlo, hostmem, optim,
+                          paths, preemption, sharding, storage, train_step)
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.evaluation import embedding
   from hnclip_jax.evaluation.retrieval import NonFiniteEmbeddings
   from hnclip_jax.metrics import MetricsWriter, Progress, StepProfiler, Throughput, log, quiet_libraries
   from hnclip_jax.models import init_params
-  from hnclip_jax.workdir import Workdir, check_model_compatible, config_changes
+  from hnclip_jax.workdir import check_model_compatible, config_changes
 
-  # ---- Config, paths, mesh, checks (all before building data or compiling anything) ----
+  # ---- The resolved run: config, workdir (held), data, model, tokenizer, framework, objective, mesh -------------
+  # (all checks before building data or compiling anything)
   quiet_libraries()
-  config = config_lib.validate(FLAGS.config)
-  workdir = paths.resolve(FLAGS.workdir, "--workdir")
-  preemption.check_workdir(workdir)
-  storage.start_debug_log(workdir)  # library tracebacks go there; the console keeps one line per problem
-  wd = Workdir(workdir)
-  config, data_note = experiment.resolve_data(config, wd, config_flags.get_override_values(FLAGS["config"]),
-                                              training=True)
-  experiment.preflight(config)
-  storage.check_writable(wd.checkpoints, "the checkpoint directory")  # fail now, not at the first save
-  cli.enable_compilation_cache(config.compilation_cache_dir)
-  cli.maybe_initialize_distributed()
-  lock = preemption.WorkdirLock(workdir)
-  mesh = sharding.make_mesh(config.mesh)
-  rules = sharding.parse_rules(config.mesh.rules)
-  sharding.check_batch_size(config.batch_size, mesh)
-  sharding.check_batch_size(config.eval_batch_size, mesh, "config.eval_batch_size")
-  train_step.check_accumulation(config, mesh)
+  run = experiment.resolve(FLAGS.config, paths.resolve(FLAGS.workdir, "--workdir"), "train",
+                           overrides=config_flags.get_override_values(FLAGS["config"]))
+  config, workdir, wd, mesh, model_cfg, tokenizer = run.config, run.workdir, run.wd, run.mesh, run.model, run.tokenizer
+  lock = run.lock
   log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, "
       f"{jax.process_count()} process(es){sharding.describe_dcn(mesh, config.mesh)}")
   if jax.devices()[0].platform == "cpu":
     log(hostmem.cpu_allocator_note())
-
-  # ---- Data and model definition --------------------------------------------
-  log(f"{data_note}; training on split '{config.data.train_split}', evaluating on '{config.data.eval_split}'")
-  train_source = builders.data_source(config.data, config.data.train_split)
-  eval_source = builders.data_source(config.data, config.data.eval_split)
-  if wd.data() is None:
-    wd.save_data(config.data)
-  config = config_lib.freeze(experiment.resolve_epoch_settings(config, len(train_source)))  # the resolved run
-  model_cfg, tokenizer, init_from_params = experiment.resolve_model(config, wd, training=True)
-  train_step.check_model(config, model_cfg, mesh, rules)
+  log(f"{run.data_note}; training on split '{config.data.train_split}', evaluating on '{config.data.eval_split}'")
+  train_source, eval_source = run.sources["train"], run.sources["eval"]
   log(experiment.truncation_report(config, tokenizer))
-  program = train_step.build_program(config, model_cfg, mesh, rules)  # what tools/compile_for compiles, too
+  program = train_step.build_program(run)  # what tools/compile_for compiles, too
   graphdef, tx, shardings, objective = program.graphdef, program.tx, program.shardings, program.objective
-  check_data = frameworks.hook(config, "check_data")  # what the framework needs of the data, before compiling
+  check_data = run.hook("check_data")  # what the framework needs of the data, before compiling
   if check_data is not None and (note := check_data(config, objective)):
     log(note)
-  make_inputs = frameworks.hook(config, "inputs")  # the framework's own per-example inputs
+  make_inputs = run.hook("inputs")  # the framework's own per-example inputs
+  init_from_params = run.init_params
 
   # ---- State: newest intact checkpoint, else initial (created on its shardings) ----
   ckpt = wd.checkpointer(max_to_keep=config.max_to_keep, async_save=config.async_checkpointing,
@@ -165,7 +146,8 @@ def main(argv):
     try:
       for step in range(start + 1, config.total_steps + 1):
         t_wait = time.perf_counter()
-        batch = next(batches)
+        batch = dict(next(batches))
+        batch.pop("index")  # host side only (the pipeline and a framework's `inputs`): not an input of the step
         throughput.waited(time.perf_counter() - t_wait)
         if faults.poisoned(step):
           batch = dict(batch, image=batch["image"] * np.nan)

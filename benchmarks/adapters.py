@@ -6,7 +6,6 @@ measured side by side (alternating order).
   python benchmarks/adapters.py [--reps 7] [--json out.json]
 """
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -21,15 +20,19 @@ import numpy as np  # noqa: E402
 from benchmarks.common import alternating_times, dump, random_batch, table  # noqa: E402
 
 
-def program_for(cfg, method: str, batch: int):
-  from hnclip_jax import config as config_lib, sharding, train_step
+def program_for(model: dict, method: str, batch: int):
+  """The program train.py would build for architecture `model` (config.model fields) trained by `method`
+  (experiment.resolve, one device) -> (program, model config, mesh)."""
+  from hnclip_jax import config as config_lib, experiment, train_step
   config = config_lib.base_config()
-  config.finetune.method, config.finetune.rank, config.finetune.alpha = method, 16, 16.0
+  config.model.update(model)
+  config.finetune.method = method
+  if method != "full":
+    config.finetune.rank, config.finetune.alpha = 16, 16.0
   config.batch_size, config.total_steps = batch, 1000
   config.optimizer.warmup_steps = 1
-  model_cfg = dataclasses.replace(cfg, **config_lib.adapter_fields(config)).validate()
-  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
-  return train_step.build_program(config, model_cfg, mesh, sharding.parse_rules(config.mesh.rules)), model_cfg, mesh
+  run = experiment.resolve(config, None, "compile", devices=jax.devices()[:1])
+  return train_step.build_program(run), run.model, run.mesh
 
 
 def nbytes(tree) -> int:
@@ -61,15 +64,16 @@ def main():
   ap.add_argument("--json", default="")
   args = ap.parse_args()
   from hnclip_jax.config import model_config
-  from hnclip_jax.models import CLIPConfig, init_params
+  from hnclip_jax.models import init_params
   from hnclip_jax.models.adapters import add_adapters
   import tempfile
   from hnclip_jax import checkpoint, train_step
-  tiny = CLIPConfig(**{**dict(model_config("tiny")), "vocab_size": 1024, "eot_token_id": 1023}).validate()
-  vit_l = CLIPConfig(**dict(model_config("vit_l14", text_context=248))).validate()
+  tiny = {**dict(model_config("tiny")), "vocab_size": 1024, "eot_token_id": 1023}
+  vit_l = dict(model_config("vit_l14", text_context=248))
   results = {"vit_l14": [sizes(vit_l, m, 128)[3] for m in ("full", "lora", "dora")]}
   rows, steps = [], {}
-  base = jax.device_get(init_params(tiny, 0)[1])  # host copies: each run's state is donated to its step
+  tiny_cfg = program_for(tiny, "full", args.batch)[1]
+  base = jax.device_get(init_params(tiny_cfg, 0)[1])  # host copies: each run's state is donated to its step
   for m in ("full", "lora", "dora"):
     program, model_cfg, mesh, row = sizes(tiny, m, args.batch)
     params = jax.tree.map(np.array, base) if m == "full" else add_adapters(base, model_cfg, 0)
@@ -101,7 +105,7 @@ def main():
           "frozen store, once (MB)"]
   print(f"ViT-L/14 (248 tokens), rank 16 on q/k/v/out/fc1/fc2 of both towers (shapes only):\n"
         f"{table(results['vit_l14'], cols)}\n")
-  print(f"tiny ({tiny.vision_layers}+{tiny.text_layers} blocks, width {tiny.vision_width}), batch {args.batch}, "
+  print(f"tiny ({tiny['vision_layers']}+{tiny['text_layers']} blocks, width {tiny['vision_width']}), batch {args.batch}, "
         f"{jax.devices()[0].platform}, median of {args.reps} alternating repetitions:\n"
         f"{table(rows, cols + ['step checkpoint on disk (MB)', 'step (ms)', 'vs full'])}")
   dump(args.json, results)

@@ -92,23 +92,19 @@ def dump(path, obj):
 
 
 def make_step(cfg, gamma: float, mesh, opt_overrides=None, loss_overrides=None, grad_accum_steps: int = 1):
-  """A jitted train step (train_step.make_train_step, the one train.py runs) for model config `cfg` on `mesh`, with
-  config.loss.gamma = gamma and the given config.optimizer / config.loss overrides -> (step, tx, state shardings,
-  graphdef, run config)."""
-  from hnclip_jax import optim, sharding, train_step
+  """The train step train.py runs (train_step.build_program of an experiment.Run) for model config `cfg` on `mesh`,
+  with config.loss.gamma = gamma and the given config.optimizer / config.loss overrides -> (step, tx, state
+  shardings, graphdef, run config)."""
+  from hnclip_jax import experiment, train_step
   from hnclip_jax.config import base_config
-  from hnclip_jax.models import abstract_model
   run_cfg = base_config()
+  run_cfg.total_steps = 1000
   run_cfg.optimizer.update({**dict(lr=1e-4, weight_decay=0.1, warmup_steps=1, b1=0.9, b2=0.98, eps=1e-6,
                                    grad_clip_norm=1.0), **(opt_overrides or {})})
   run_cfg.loss.update({"gamma": gamma, "chunk_size": 0, "negatives": "global_batch", **(loss_overrides or {})})
   run_cfg.grad_accum_steps = grad_accum_steps
-  tx = optim.make_optimizer(run_cfg.optimizer, 1000)
-  graphdef, abstract = abstract_model(cfg)
-  state_abs = jax.eval_shape(lambda p: train_step.init_state(p, tx), abstract)
-  sh = sharding.state_shardings(state_abs, "params", mesh, sharding.parse_rules(sharding.DEFAULT_RULES))
-  step = train_step.make_train_step(graphdef, tx, mesh, run_cfg, optim.lr_schedule(run_cfg.optimizer, 1000), sh)
-  return step, tx, sh, graphdef, run_cfg
+  program = train_step.build_program(experiment.Run.of(run_cfg, cfg, mesh))
+  return program.step, program.tx, program.shardings, program.graphdef, run_cfg
 
 
 def random_batch(cfg, batch: int, mesh, seed: int = 0, extra=None):

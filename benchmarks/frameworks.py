@@ -15,7 +15,6 @@ segment crops' edge maps and the structure caption; neither includes the host's 
 filtering and chunking happen in the input pipeline, which overlaps the step; `config.workers` adds processes).
 """
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -29,14 +28,15 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import alternating_times, dump, matmul_flops, random_batch, table  # noqa: E402
 from hnclip_jax.frameworks import REGISTRY  # noqa: E402
-from hnclip_jax.models import PRESETS  # noqa: E402
 
 FRAMEWORKS = tuple(REGISTRY)  # the built-in frameworks ("longclip" first: the reference)
 
 
-def program_for(cfg, framework: str, batch: int):
-  from hnclip_jax import config as config_lib, sharding, train_step
+def program_for(preset: str, framework: str, batch: int):
+  """The program train.py would build for model `preset` and `framework` (experiment.resolve, one device)."""
+  from hnclip_jax import config as config_lib, experiment, train_step
   config = config_lib.base_config()
+  config.model = config_lib.model_config(preset)
   config.framework, config.batch_size, config.total_steps = framework, batch, 1000
   config.optimizer.warmup_steps = 1
   if framework == "finelip":
@@ -44,10 +44,8 @@ def program_for(cfg, framework: str, batch: int):
   if framework == "structxlip":
     config.structxlip.steps_per_epoch = 0  # the weights' schedule does not change the program
   config.diagnostics.log = False
-  model_cfg = dataclasses.replace(cfg, **config_lib.framework_fields(config)).validate()
-  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
-  program = train_step.build_program(config, model_cfg, mesh, sharding.parse_rules(config.mesh.rules))
-  return program, model_cfg, mesh, config
+  run = experiment.resolve(config, None, "compile", devices=jax.devices()[:1])
+  return train_step.build_program(run), run
 
 
 def main():
@@ -65,15 +63,16 @@ def main():
   from hnclip_jax.models import init_params
   rows = []
   for name in a.models.split(","):
-    cfg, batch = PRESETS[name], batches[name]
+    batch = batches[name]
     steps, flops = {}, {}
     frameworks = ["longclip"] + [f for f in a.frameworks.split(",") if f and f != "longclip"]
     unknown = [f for f in frameworks if f not in FRAMEWORKS]
     if unknown:
       raise SystemExit(f"--frameworks: unknown {unknown}; choose from {list(FRAMEWORKS[1:])}")
     for fw in frameworks:
-      program, model_cfg, mesh, config = program_for(cfg, fw, batch)
-      data = random_batch(model_cfg, batch, mesh, extra=train_step.abstract_batch(config, model_cfg, mesh))
+      program, run = program_for(name, fw, batch)
+      model_cfg = run.model
+      data = random_batch(model_cfg, batch, run.mesh, extra=train_step.abstract_batch(run))
       compiled = program.step.lower(program.target(), data).compile()
       flops[fw] = matmul_flops(compiled)
       if a.flops_only:

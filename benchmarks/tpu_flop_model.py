@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from configs.longclip_l import get_config  # noqa: E402
 from hnclip_jax.losses import kept_tokens  # noqa: E402
+from hnclip_jax import experiment  # noqa: E402
 from hnclip_jax.tools import compile_for  # noqa: E402
 
 
@@ -45,7 +46,7 @@ def main():
   p.add_argument("--hlo_dir", default="", help="the --hlo_dir of those rows: XLA's own remat for rows that predate its count")
   args = p.parse_args()
   config = get_config()  # the config tpu_layouts.sh compiles
-  m = compile_for.model_for(config)
+  m = experiment.compile_model(config)
   fwd, recompute, patch_tokens = costs(m)
   print(f"F = {fwd / 1e9:.1f} GFLOP per example forward, R = {recompute / 1e9:.1f} GFLOP (remat=full's recompute)")
   print("| topology | mesh | batch | accum | remat | λ | TFLOP per chip | XLA remat | model | measured − XLA remat / model |")

@@ -131,13 +131,17 @@ def maybe_initialize_distributed() -> None:
   """
   from absl import flags
   f = flags.FLAGS
-  addr = f.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+
+  def flag(name):  # a library caller (a test, a notebook) may have parsed no flags, or defined none of these
+    return f[name].value if name in f and f.is_parsed() else None
+
+  addr = flag("coordinator_address") or os.environ.get("JAX_COORDINATOR_ADDRESS")
   if addr:
-    num = f.num_processes if f.num_processes is not None else int(os.environ.get("JAX_NUM_PROCESSES", "0"))
-    pid = f.process_id if f.process_id is not None else int(os.environ.get("JAX_PROCESS_ID", "-1"))
+    num = flag("num_processes") if flag("num_processes") is not None else int(os.environ.get("JAX_NUM_PROCESSES", "0"))
+    pid = flag("process_id") if flag("process_id") is not None else int(os.environ.get("JAX_PROCESS_ID", "-1"))
     if num <= 0 or pid < 0:
       raise ValueError(f"coordinator address {addr} given, but not the process count and id: pass --num_processes "
                        "and --process_id (or JAX_NUM_PROCESSES and JAX_PROCESS_ID)")
     jax.distributed.initialize(coordinator_address=addr, num_processes=num, process_id=pid)
-  elif f.distributed:
+  elif flag("distributed"):
     jax.distributed.initialize()

@@ -1,24 +1,161 @@
-"""What train.py, eval.py and the tools resolve before anything compiles: the data (and what the workdir recorded of
-it), the model config and its start (pretrained weights, adapters, a framework's modules), the tokenizer, epoch
-settings, and checkpoint-compatibility errors. Process set-up is in `hnclip_jax.cli`, eval embedding in
-`hnclip_jax.evaluation.embedding`."""
+"""One resolved run: `resolve(config, workdir, purpose)` turns the flags into a frozen `Run` — config, model config,
+tokenizer, framework, objective, mesh, data — which train.py, eval.py, tools/compile_for, benchmarks/replicate.py
+and the benchmarks take from there (`Run.of` builds one from parts a test or benchmark makes itself). The pieces it
+is made of are here too: the data (and what the workdir recorded of it), the model config and its start (pretrained
+weights, adapters, a framework's modules), the tokenizer, epoch settings, and checkpoint-compatibility errors.
+Process set-up is in `hnclip_jax.cli`, eval embedding in `hnclip_jax.evaluation.embedding`."""
 from __future__ import annotations
 
 import copy
 import dataclasses
 import os
+import types
 
 import ml_collections
 
 import jax
 
-from hnclip_jax import frameworks, pretrained
+from hnclip_jax import cli, config as config_lib, frameworks, preemption, pretrained, sharding, storage, train_step
 from hnclip_jax.checkpoint import IncompatibleCheckpoint
 from hnclip_jax.data import builders, pipeline
 from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.config import FRAMEWORK_FIELDS, RUNTIME_FIELDS, adapter_fields, framework_fields
 from hnclip_jax.models import CLIPConfig, adapters
+from hnclip_jax.objective import Objective
 from hnclip_jax.workdir import DATA_LOCATION_KEYS, Workdir, check_model_compatible, config_changes
+
+PURPOSES = ("train", "eval", "compile")
+CLIP_BPE_VOCAB = 49408  # the CLIP BPE tokenizer's vocabulary: what a compile without data or weights assumes
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Run:
+  """One resolved run. `config` is frozen (validated, its data and epoch-given settings resolved); `model` the
+  architecture with this run's compute settings; `framework` the resolved config.framework (None for "longclip");
+  `objective` the loss (None for eval); `sources` the data sources a train run reads ({"train", "eval"});
+  `init_params` a fine-tuning start's weights (train, first start only); `lock` the workdir's single-writer guard
+  (train; release it when the run ends)."""
+  purpose: str
+  config: ml_collections.ConfigDict
+  model: CLIPConfig
+  mesh: jax.sharding.Mesh
+  rules: tuple
+  framework: object
+  objective: Objective | None
+  tokenizer: object = None
+  workdir: str | None = None
+  wd: Workdir | None = None
+  data_note: str = ""
+  sources: dict = dataclasses.field(default_factory=dict)
+  init_params: object = dataclasses.field(default=None, repr=False)
+  lock: object = dataclasses.field(default=None, repr=False)
+
+  @classmethod
+  def of(cls, config, model: CLIPConfig, mesh, *, purpose: str = "compile", rules=None, **rest) -> "Run":
+    """A run from parts already resolved (`config` as given, not copied: a test may watch what is read of it):
+    the framework and the objective are derived here, the model-, mesh- and framework-dependent checks made."""
+    if purpose not in PURPOSES:
+      raise ValueError(f"purpose={purpose!r}; one of {PURPOSES}")
+    rules = sharding.parse_rules(config.mesh.rules) if rules is None else rules
+    fw = frameworks.resolve(frameworks.check_name(config))
+    objective = None
+    if purpose != "eval":
+      objective = Objective.from_config(config.loss, config)
+      sharding.check_batch_size(config.batch_size, mesh)
+      train_step.check_accumulation(config, mesh)
+      sharding.check_model_fits(model, mesh, rules)
+      objective.check(model)
+    run = cls(purpose, config, model, mesh, rules, fw, objective, **rest)
+    if purpose != "eval":
+      run.input_specs()  # a framework's input names
+    return run
+
+  def hook(self, name: str):
+    """The run's framework's hook `name` (base.Framework), None when it has none."""
+    return frameworks.hook_of(self.framework, name)
+
+  def input_specs(self) -> dict:
+    """The framework's per-example inputs {name: (shape, dtype)} ({} for none); raises on a core batch key's name."""
+    return frameworks.input_specs(self.config, self.model)
+
+
+def resolve(config, workdir: str | None, purpose: str, *, overrides: dict | None = None, devices=None) -> Run:
+  """Flags -> the frozen Run that train.py ("train"), eval.py ("eval") or tools/compile_for ("compile") executes.
+
+  train: the workdir checked and held (its lock), the data it trains on (data.json, recorded at the first start),
+  epoch-given settings as steps, the model and tokenizer (model.json, or the start's weights, or fitted), the
+  objective and the framework. eval: the workdir's model and tokenizer and the data to evaluate (command-line data
+  overrides applied). compile: no workdir; the model from config.init_from or config.model (a vocabulary size 0 /
+  end token -1 read as the CLIP BPE tokenizer's), the epoch settings from the training split when it is built.
+  `overrides`: the command line's {'data.name': value, ...}; `devices`: the mesh's devices (default: all)."""
+  if purpose not in PURPOSES:
+    raise ValueError(f"purpose={purpose!r}; one of {PURPOSES}")
+  config = config_lib.validate(config)
+  if purpose == "compile":
+    mesh = sharding.make_mesh(config.mesh, devices)
+    config = config_lib.freeze(_compile_epoch_settings(config))
+    return Run.of(config, compile_model(config), mesh, purpose=purpose)
+  if purpose == "train":
+    preemption.check_workdir(workdir)
+  storage.start_debug_log(workdir)  # library tracebacks go there; the console keeps one line per problem
+  wd = Workdir(workdir)
+  config, data_note = resolve_data(config, wd, overrides or {}, training=purpose == "train")
+  if purpose == "eval":
+    config = config_lib.freeze(config)
+    cli.enable_compilation_cache(config.compilation_cache_dir)
+    cli.maybe_initialize_distributed()
+    mesh = sharding.make_mesh(config.mesh, devices)
+    model, tokenizer, _ = resolve_model(config, wd, training=False)
+    return Run.of(config, model, mesh, purpose=purpose, tokenizer=tokenizer, workdir=workdir, wd=wd,
+                  data_note=data_note)
+  preflight(config)
+  storage.check_writable(wd.checkpoints, "the checkpoint directory")  # fail now, not at the first save
+  cli.enable_compilation_cache(config.compilation_cache_dir)
+  cli.maybe_initialize_distributed()
+  lock = preemption.WorkdirLock(workdir)
+  try:
+    mesh = sharding.make_mesh(config.mesh, devices)
+    sharding.check_batch_size(config.batch_size, mesh)
+    sharding.check_batch_size(config.eval_batch_size, mesh, "config.eval_batch_size")
+    train_step.check_accumulation(config, mesh)
+    sources = {"train": builders.data_source(config.data, config.data.train_split),
+               "eval": builders.data_source(config.data, config.data.eval_split)}
+    if wd.data() is None:
+      wd.save_data(config.data)
+    config = config_lib.freeze(resolve_epoch_settings(config, len(sources["train"])))
+    model, tokenizer, init_params = resolve_model(config, wd, training=True)
+    return Run.of(config, model, mesh, purpose=purpose, tokenizer=tokenizer, workdir=workdir, wd=wd,
+                  data_note=data_note, sources=sources, init_params=init_params, lock=lock)
+  except BaseException:
+    lock.release()
+    raise
+
+
+def _compile_epoch_settings(config):
+  """A compile's epoch-given settings: from the training split's size when it is built here; otherwise refused
+  when they change the program (a setting of -1 epochs means nothing without the data)."""
+  num = builders.num_examples(config.data, config.data.train_split)
+  if num is not None:
+    return resolve_epoch_settings(config, num)
+  one, two = (resolve_epoch_settings(config, n * config.batch_size) for n in (1, 2))
+  differ = sorted(k for k, v in config_lib.flatten(one).items() if config_lib.flatten(two).get(k) != v)
+  if differ:
+    raise ValueError(f"{', '.join(f'config.{k}' for k in differ)} is given in epochs of the training split, which is "
+                     f"not built here ({describe_data(config.data)}): give it in steps, or build the data first "
+                     "(python -m hnclip_jax.data.inspect)")
+  return one
+
+
+def compile_model(config) -> CLIPConfig:
+  """The architecture a compile without a workdir builds, by the functions train.py uses (pretrained_start,
+  model_config): config.init_from's (read from the weights) or config.model. Without weights there is no data here
+  to fit a tokenizer on: a vocabulary size 0 / end token -1 means the CLIP BPE tokenizer's 49,408 / the last id;
+  sizes the config gives are taken as they are."""
+  if config.init_from:
+    return pretrained_start(config)[0]
+  vocab = config.model.vocab_size or CLIP_BPE_VOCAB
+  eot = config.model.eot_token_id if config.model.eot_token_id >= 0 else vocab - 1
+  return model_config(config, types.SimpleNamespace(vocab_size=vocab, eot_id=eot, kind="assumed"))
 
 
 def runtime(cfg: CLIPConfig, config) -> CLIPConfig:

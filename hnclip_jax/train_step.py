@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hnclip_jax import frameworks, sharding
+from hnclip_jax import sharding
 from hnclip_jax.models import abstract_model, bind
 from hnclip_jax.objective import GLOBAL_OUTPUTS, Objective
 from hnclip_jax.optim import (SCALE_PARAM, clamp_logit_scale, freeze_patterns, frozen_predicate, logit_scale_max,
@@ -185,13 +185,14 @@ def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, neg
   return micro_batch_negatives if negatives == "micro_batch" else global_batch_negatives
 
 
-def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings, frozen=None):
-  """Returns jitted step(state, batch) -> (state, metrics); the state is donated.
+def make_train_step(graphdef, tx, mesh, config, schedule, state_shardings, frozen=None, objective=None):
+  """Returns jitted step(state, batch) -> (state, metrics); the state is donated. `objective`: the run's
+  (experiment.Run.objective; built from `config` when not given).
 
   frozen: path -> bool (`frozen_predicate`); those parameters enter the loss through stop_gradient inside the
   differentiated function, so no weight gradient is computed for them (LoRA's saving) and grad_norm is that of the
   trained parameters."""
-  objective = Objective.from_config(config.loss, config)
+  objective = Objective.from_config(config.loss, config) if objective is None else objective
   grad_fn = make_grad_fn(graphdef, mesh, objective, config.grad_accum_steps, config.loss.negatives, frozen)
   clamp = config.optimizer.train_logit_scale and not (frozen is not None and frozen(SCALE_PARAM))
   upper = logit_scale_max(config)
@@ -252,33 +253,27 @@ class Program:
                         self.shardings)
 
 
-def check_model(config, model_cfg, mesh, rules) -> None:
-  """The mesh- and model-dependent checks of a run (before anything compiles); raise naming the config key."""
-  sharding.check_model_fits(model_cfg, mesh, rules)
-  Objective.from_config(config.loss, config).check(model_cfg)
-  frameworks.input_specs(config, model_cfg)  # its input names
-
-
-def build_program(config, model_cfg, mesh, rules) -> Program:
-  """The train step of `config` for architecture `model_cfg` on `mesh`: optimizer, state shardings, jitted step."""
+def build_program(run) -> Program:
+  """The train step of a resolved run (experiment.Run: its config, model, mesh, rules and objective): optimizer,
+  state shardings, jitted step. train.py runs it; tools/compile_for compiles it."""
+  config, model_cfg, mesh = run.config, run.model, run.mesh
   graphdef, abstract_params = abstract_model(model_cfg)
   freeze = freeze_patterns(config, model_cfg)
   tx = make_optimizer(config.optimizer, config.total_steps, freeze)
   schedule = lr_schedule(config.optimizer, config.total_steps)
   abstract_state = jax.eval_shape(lambda p: init_state(p, tx), abstract_params)
-  shardings = sharding.state_shardings(abstract_state, "params", mesh, rules)
+  shardings = sharding.state_shardings(abstract_state, "params", mesh, run.rules)
   frozen = frozen_predicate(config.optimizer, freeze) if freeze else None
-  step = make_train_step(graphdef, tx, mesh, config, schedule, shardings, frozen=frozen)
-  return Program(graphdef, tx, schedule, abstract_state, shardings, step, Objective.from_config(config.loss, config),
-                 frozen)
+  step = make_train_step(graphdef, tx, mesh, config, schedule, shardings, frozen=frozen, objective=run.objective)
+  return Program(graphdef, tx, schedule, abstract_state, shardings, step, run.objective, frozen)
 
 
-def abstract_batch(config, model_cfg, mesh) -> dict:
-  """The global batch the step takes, as ShapeDtypeStructs sharded over the batch axes."""
-  sh = sharding.batch_sharding(mesh)
-  b, s, l = config.batch_size, model_cfg.image_size, model_cfg.text_context
+def abstract_batch(run) -> dict:
+  """The global batch a run's step takes, as ShapeDtypeStructs sharded over the batch axes."""
+  sh = sharding.batch_sharding(run.mesh)
+  b, s, l = run.config.batch_size, run.model.image_size, run.model.text_context
   batch = {"image": jax.ShapeDtypeStruct((b, s, s, 3), jnp.float32, sharding=sh),
            "tokens": jax.ShapeDtypeStruct((b, l), jnp.int32, sharding=sh)}
-  for name, (shape, dtype) in frameworks.input_specs(config, model_cfg).items():  # a framework's own inputs
+  for name, (shape, dtype) in run.input_specs().items():  # a framework's own inputs
     batch[name] = jax.ShapeDtypeStruct((b, *shape), jnp.dtype(dtype), sharding=sh)
   return batch

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hnclip_jax import config as config_lib, optim, sharding, train_step
+from hnclip_jax import config as config_lib, experiment, optim, sharding, train_step
 from hnclip_jax.models import CLIPConfig, abstract_model, adapters, bind, init_params
 from hnclip_jax.models.clip import DoRALinear, LoRALinear
 from conftest import assert_error_exit, listing, metrics_rows, run_py
@@ -181,7 +181,7 @@ def test_only_adapters_train(method, dropout, train_scale):
   _, base = init_params(CFG, 0)
   params = adapters.add_adapters(base, cfg, seed=0)
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
-  program = train_step.build_program(config, cfg, mesh, sharding.parse_rules(config.mesh.rules))
+  program = train_step.build_program(experiment.Run.of(config, cfg, mesh))
   state = jax.device_put(train_step.init_state(params, program.tx), program.shardings)
   before = adapters.flat(jax.device_get(state["params"]))
   pixels, tokens = inputs()
@@ -200,7 +200,7 @@ def test_only_adapters_train(method, dropout, train_scale):
              for _ in range(2)]
     assert float(again[0]["loss"]) == float(again[1]["loss"])
     config.finetune.dropout = 0.0
-    plain = train_step.build_program(config, cfg, mesh, sharding.parse_rules(config.mesh.rules))
+    plain = train_step.build_program(experiment.Run.of(config, cfg, mesh))
     no_drop = plain.step(jax.device_put(snapshot, program.shardings), {"image": pixels, "tokens": tokens})[1]
     assert float(no_drop["loss"]) != float(again[0]["loss"])
 
@@ -299,8 +299,8 @@ def test_frozen_parameters_cost_no_weight_gradients():
     config.total_steps, config.batch_size = 10, 32
     cfg = dataclasses.replace(CFG, **config_lib.adapter_fields(config)).validate()
     mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
-    program = train_step.build_program(config, cfg, mesh, sharding.parse_rules(config.mesh.rules))
-    cost = program.step.lower(program.target(), train_step.abstract_batch(config, cfg, mesh)).cost_analysis()
+    program = train_step.build_program(experiment.Run.of(config, cfg, mesh))
+    cost = program.step.lower(program.target(), train_step.abstract_batch(experiment.Run.of(config, cfg, mesh))).cost_analysis()
     return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
   full, lora, dora = step_flops(), step_flops("lora"), step_flops("dora")

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from conftest import ROOT, run_py
+from hnclip_jax import experiment
 from hnclip_jax.tools import compile_for
 
 # libtpu (the TPU compiler; the version jax[tpu]==0.10.2 pins) is installed here with pip --target on first use,
@@ -254,9 +255,9 @@ def test_compiled_model_is_the_runs_model_with_its_adapters():
   sys.path.insert(0, ROOT)
   from configs.longclip_l import get_config
   c = get_config("dora")
-  cfg = compile_for.model_for(c)
+  cfg = experiment.compile_model(c)
   assert (cfg.adapter, cfg.adapter_rank, cfg.text_context, cfg.vision_layers) == ("dora", 16, 248, 24)
-  assert compile_for.model_for(get_config("")).adapter == "none"
+  assert experiment.compile_model(get_config("")).adapter == "none"
 
 
 def test_a_fine_tuning_start_is_built_as_train_py_builds_it(tmp_path):
@@ -265,7 +266,7 @@ def test_a_fine_tuning_start_is_built_as_train_py_builds_it(tmp_path):
   import sys
   sys.path.insert(0, ROOT)
   from configs.demo import get_config
-  from hnclip_jax import experiment, pretrained
+  from hnclip_jax import pretrained
   from hnclip_jax.data.tokenizer import WordTokenizer
   from hnclip_jax.models import init_params
   from hnclip_jax.workdir import Workdir
@@ -276,7 +277,7 @@ def test_a_fine_tuning_start_is_built_as_train_py_builds_it(tmp_path):
   c.init_from, c.model.text_context, c.dtype = str(tmp_path / "start"), 248, "bfloat16"
   c.finetune.method, c.finetune.rank = "lora", 4
   want, _, _ = experiment.resolve_model(c, Workdir(str(tmp_path / "w")), training=True)
-  assert compile_for.model_for(c) == want
+  assert experiment.compile_model(c) == want
   assert (want.text_context, want.adapter, want.adapter_rank, want.dtype) == (248, "lora", 4, "bfloat16")
 
 
@@ -362,6 +363,7 @@ def test_tiny_model_compiles_for_v5e_2x2_and_the_report_is_the_compilers():
 FSDP_SCRIPT = r"""
 import json, math
 import jax
+from hnclip_jax import experiment
 from hnclip_jax.tools import compile_for
 from hnclip_jax.models import abstract_model
 from configs.demo import get_config
@@ -372,7 +374,7 @@ c.model.update(dict(vocab_size=128, eot_token_id=3, image_size=64, patch_size=8,
 c.data.image_size, c.batch_size, c.dtype, c.loss.token_weight = 64, 256, "bfloat16", 0.0
 c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 4, 1
 r = compile_for.compile_report(c, "v5e:2x2")
-n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_model(compile_for.model_for(c))[1]))
+n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_model(experiment.compile_model(c))[1]))
 print("RESULT " + json.dumps({"collectives": r["collectives"], "n_params": n_params}))
 """
 
@@ -412,6 +414,7 @@ def test_a_sweep_records_what_the_tpu_compiler_refuses(tmp_path):
 GPU_SCRIPT = r"""
 import json, math
 import jax
+from hnclip_jax import experiment
 from hnclip_jax.tools import compile_for
 from hnclip_jax.models import abstract_model
 from configs.demo import get_config
@@ -420,7 +423,7 @@ c.mesh.data = 8
 r, compiled = compile_for.compile_report(c, "h100:1x8", return_compiled=True)
 compile_for.print_report(r)
 m = compiled.memory_analysis()
-n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_model(compile_for.model_for(c))[1]))
+n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_model(experiment.compile_model(c))[1]))
 c.grad_accum_steps = 2
 accum = compile_for.compile_report(c, "h100:1x8")
 print("RESULT " + json.dumps({"report": r, "memory": {k: getattr(m, k + "_size_in_bytes") for k in
@@ -564,3 +567,68 @@ def test_multi_slice_reports_what_crosses_the_data_center_network():
   assert one["granules"] == 1 and one["dcn_collective_bytes"] == 0 and one["est_dcn_s"] == 0
   assert "an fsdp axis both inside and across TPU slices" in res["fsdp both"]["error"]
   assert "across the 2 slices (slow network" in proc.stdout and "2 × v5e:2x2 (8 × TPU v5" in proc.stdout
+
+
+TRAIN_FOR_HLO = {"goal": ["--config.framework=goal"],
+                 "finelip": ["--config.framework=finelip", "--config.finelip.tokens=4"]}
+
+
+@pytest.mark.parametrize("framework", ["finelip", "goal"])
+def test_compile_for_lowers_the_program_train_py_runs(framework, tfds_dir, tmp_path, monkeypatch):
+  """One resolved run: the step train.py ran — caught as it ran, with the shapes, dtypes and shardings of the state
+  and batch it was called with — lowers to the same program text as tools/compile_for's for the same config (its
+  epoch-given settings resolved from the same built data; the vocabulary the workdir's tokenizer gave, which a
+  compile without data cannot know, passed as config.model settings). train.py resolved its framework once, and
+  nothing can change the resolved run."""
+  import dataclasses
+  import jax
+  from hnclip_jax import frameworks, train_step
+  from conftest import run_entry
+  seen = {}
+  build = train_step.build_program
+
+  class Spy:  # the jitted step, recording what train.py calls it with
+    def __init__(self, step):
+      self.step = step
+
+    def __call__(self, state, batch):
+      seen.setdefault("args", jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                           (state, batch)))
+      return self.step(state, batch)
+
+    def lower(self, *args):
+      return self.step.lower(*args)
+
+  def spying(run):
+    program = build(run)
+    seen["run"], seen["step"], program.step = run, program.step, Spy(program.step)
+    return program
+
+  monkeypatch.setattr(train_step, "build_program", spying)
+  monkeypatch.setattr(frameworks, "_RESOLVED", {})
+  monkeypatch.setattr(frameworks, "RESOLUTIONS", [0])
+  proc = run_entry("train.py", ["--config", "configs/demo.py:test", f"--config.data.data_dir={tfds_dir}",
+                                "--config.total_steps=1", "--config.eval_every=100", *TRAIN_FOR_HLO[framework],
+                                "--workdir", str(tmp_path / "w")])
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert frameworks.RESOLUTIONS[0] == 1
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    seen["run"].objective = None
+  train_text = seen["step"].lower(*seen["args"]).as_text()
+
+  with open(tmp_path / "w" / "model.json") as f:
+    model = json.load(f)
+  sys.path.insert(0, ROOT)
+  from configs.demo import get_config
+  config = get_config("test")
+  config.data.data_dir, config.total_steps, config.eval_every = tfds_dir, 1, 100
+  config.model.vocab_size, config.model.eot_token_id = model["vocab_size"], model["eot_token_id"]
+  config.framework = framework
+  if framework == "finelip":
+    config.finelip.tokens = 4
+  run, program, abstract = compile_for.step_program(config, jax.devices())
+  assert run.model == seen["run"].model and run.objective == seen["run"].objective
+  describe = lambda tree: [(a.shape, a.dtype, a.sharding.spec) for a in jax.tree.leaves(tree)]
+  assert jax.tree.structure(abstract) == jax.tree.structure(seen["args"])
+  assert describe(abstract) == describe(seen["args"])
+  assert program.step.lower(*abstract).as_text() == train_text

@@ -258,9 +258,8 @@ def test_watcher_follows_training_through_kills_deletions_and_restarts(reference
 def test_watcher_skips_deleted_checkpoints_and_ends_on_timeout(reference, tfds_dir, tmp_path, capsys, monkeypatch):
   """The races of the end-to-end test, made to happen: a checkpoint deleted while it waits, one deleted while it is
   read, --watch_newest_only, and no final checkpoint (a run that stopped): the job ends after the timeout."""
-  from hnclip_jax import sharding
+  from hnclip_jax import experiment
   from hnclip_jax.evaluation import job
-  from hnclip_jax.workdir import Workdir
   sys.path.insert(0, ROOT)
   from configs.demo import get_config
   work = str(tmp_path / "w")
@@ -269,10 +268,8 @@ def test_watcher_skips_deleted_checkpoints_and_ends_on_timeout(reference, tfds_d
     shutil.rmtree(os.path.join(work, "checkpoints", str(s)))
   config = get_config("test")
   config.data.data_dir = tfds_dir
-  wd = Workdir(work)
-  mesh = sharding.make_mesh(config.mesh)
-  ev = job.Evaluator(config, wd, [bench_lib.own_data(config, "test")], "cosine", mesh,
-                     sharding.parse_rules(config.mesh.rules))
+  run = experiment.resolve(config, work, "eval")
+  ev = job.Evaluator(run, [bench_lib.own_data(run.config, "test")], "cosine")
   real_read = ev.read
 
   def read(step):

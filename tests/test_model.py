@@ -1,4 +1,5 @@
 """CLIP towers against a NumPy re-implementation of the OpenAI-CLIP forward pass, plus structural checks."""
+import dataclasses
 import math
 import os
 
@@ -9,6 +10,7 @@ import pytest
 
 from conftest import ROOT
 from hnclip_jax.models import CLIPConfig, PRESETS, abstract_model, bind, init_params
+from hnclip_jax.models.clip_family import CLIPFamily
 
 CFG = CLIPConfig(embed_dim=24, image_size=16, patch_size=4, vision_width=32, vision_layers=2, vision_heads=4,
                  vision_mlp_dim=48, text_context=12, vocab_size=50, text_width=32, text_layers=2, text_heads=2,
@@ -179,3 +181,37 @@ def test_model_and_tokenizer_agree_before_anything_compiles(tmp_path):
   assert (cfg.eot_token_id, cfg.vocab_size, cfg.text_context) == (3, 128, 248)
   _, abstract = abstract_model(cfg)
   assert abstract["token_embedding"]["embedding"].shape == (128, 768)
+
+
+class BidirectionalCLIP(CLIPFamily):
+  """A family defined outside the package: OpenAI CLIP's towers with bidirectional text attention."""
+  name = "clip_bidirectional"
+  causal_text = False
+
+
+def test_model_families_are_chosen_by_name(monkeypatch):
+  """CLIPConfig.family names the module that builds the family's parts (hnclip_jax/models/family.py): an unknown
+  name is refused naming the registered ones, and a family registered from outside builds and runs with nothing
+  else changed — CLIP's parameters (same names, same initial values), the same image embedding, and text embeddings
+  that differ only through its own choice (attention that also looks at later tokens)."""
+  from hnclip_jax.models import family
+  with pytest.raises(ValueError, match=r"config.model.family='eva'; choose one of \['clip', 'siglip'\]"):
+    dataclasses.replace(PRESETS["tiny"], family="eva").validate()
+  monkeypatch.setitem(family.REGISTRY, "clip_bidirectional", "test_model:BidirectionalCLIP")
+  monkeypatch.setattr(family, "_LOADED", {})
+  base = dataclasses.replace(PRESETS["tiny"], vocab_size=64, eot_token_id=63)
+  mine = dataclasses.replace(base, family="clip_bidirectional").validate()
+  (g0, p0), (g1, p1) = init_params(base, 0), init_params(mine, 0)
+  assert jax.tree.all(jax.tree.map(np.array_equal, p0, p1))
+  rng = np.random.default_rng(0)
+  pixels = rng.normal(size=(2, base.image_size, base.image_size, 3)).astype(np.float32)
+  tokens = np.zeros((2, base.text_context), np.int32)
+  tokens[:, :5] = [[1, 7, 9, 63, 0], [1, 8, 63, 0, 0]]
+  tokens[:, 6:] = 5  # after the end token: a causal tower never sees it, a bidirectional one does
+  a, b = bind(g0, p0), bind(g1, p1)
+  np.testing.assert_array_equal(a.encode_image(pixels), b.encode_image(pixels))
+  assert not np.allclose(a.encode_text(tokens), b.encode_text(tokens), atol=1e-4)
+  changed = tokens.copy()
+  changed[:, 6:] = 9
+  np.testing.assert_array_equal(a.encode_text(tokens), a.encode_text(changed))
+  assert not np.allclose(b.encode_text(tokens), b.encode_text(changed), atol=1e-4)

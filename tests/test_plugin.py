@@ -28,7 +28,7 @@ def _config():
 
 
 def test_an_outside_framework_is_loaded_checked_and_reaches_the_batch():
-  from hnclip_jax import config as config_lib, frameworks, sharding, train_step
+  from hnclip_jax import config as config_lib, experiment, frameworks, sharding, train_step
   from hnclip_jax.models.clip import CLIPConfig
   from hnclip_jax.objective import Objective
   from hnclip_jax.terms import ContrastiveTerm
@@ -48,7 +48,7 @@ def test_an_outside_framework_is_loaded_checked_and_reaches_the_batch():
   model_cfg = CLIPConfig(embed_dim=32, image_size=32, patch_size=8, vision_width=32, vision_layers=1,
                          vision_heads=2, vision_mlp_dim=64, text_context=77, vocab_size=128, text_width=32,
                          text_layers=1, text_heads=2, text_mlp_dim=64, eot_token_id=3)
-  batch = train_step.abstract_batch(c, model_cfg, mesh)
+  batch = train_step.abstract_batch(experiment.Run.of(c, model_cfg, mesh))
   assert batch["pa_weight"].shape == (16,) and batch["pa_weight"].dtype == np.float32
   assert batch["pa_weight"].sharding == batch["tokens"].sharding
   # Its inputs may not take a core batch entry's name: refused before compiling and in the pipeline.
@@ -59,7 +59,7 @@ def test_an_outside_framework_is_loaded_checked_and_reaches_the_batch():
     mp.setattr(patch_align.PatchAlign, "input_specs", clash)
     with pytest.raises(ValueError, match=r"config.framework='patch_align:PatchAlign': its inputs \['tokens'\] have "
                                          r"the names of the core's batch entries \['image', 'tokens', 'index'\]"):
-      train_step.check_model(c, model_cfg, mesh, sharding.parse_rules(c.mesh.rules))
+      experiment.Run.of(c, model_cfg, mesh)
   from hnclip_jax.data.tokenizer import WordTokenizer
   pre = pipeline._Preprocess(WordTokenizer.fit(["a cat"], context_length=8), 8,
                              extra=lambda ex, text, pixels, seed, step, index: {"index": np.int64(7)})

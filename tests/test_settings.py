@@ -93,12 +93,9 @@ def _resolve(c, reads, tokenizer, mesh):
   """What train.py resolves from the config before the first step, and eval.py's scores."""
   model_cfg = experiment.model_config(c, tokenizer)
   c = reads.track(experiment.resolve_epoch_settings(c, 64))
-  train_step.check_accumulation(c, mesh)
-  rules = sharding.parse_rules(c.mesh.rules)
-  train_step.check_model(c, model_cfg, mesh, rules)
-  program = train_step.build_program(c, model_cfg, mesh, rules)
-  program.objective.check(model_cfg)
-  train_step.abstract_batch(c, model_cfg, mesh)
+  run = experiment.Run.of(c, model_cfg, mesh, purpose="train", tokenizer=tokenizer)  # its checks
+  train_step.build_program(run)
+  train_step.abstract_batch(run)
   optim.logit_scale_max(c)
   make_inputs = frameworks.hook(c, "inputs")
   if make_inputs is not None:

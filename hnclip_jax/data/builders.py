@@ -151,6 +151,20 @@ def _report_build(builder, data_config) -> None:
   print(f"data: building {builder.name} into {where}: {reason}", flush=True)
 
 
+def num_examples(data_config, split: str) -> int | None:
+  """How many examples `split` of the build for these inputs holds; None when it is not built (builds nothing)."""
+  try:
+    check_data_config(data_config)
+  except (ValueError, FileNotFoundError):
+    return None
+  tfds_name, kwargs, _ = DATASETS[data_config.name]
+  builder = tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **kwargs(data_config),
+                         file_format="array_record")
+  if not builder.is_prepared() or split not in builder.info.splits:
+    return None
+  return int(builder.info.splits[split].num_examples)
+
+
 def data_source(data_config, split: str, decode_images: bool = True):
   """Random-access source of `split` (prepared on first use): dicts with image uint8 [H,W,3], caption bytes, image_id."""
   check_data_config(data_config)

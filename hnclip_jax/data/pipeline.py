@@ -29,11 +29,9 @@ def resize_center_crop(image, size: int) -> np.ndarray:
 
 
 def clip_preprocess(image, size: int, family: str = "clip") -> np.ndarray:
-  """The model family's preprocessing of one image (PIL or uint8 array) -> float32 [size, size, 3], normalised:
-  CLIP's (short side to `size`, centre crop, CLIP mean/std) or SigLIP's (`siglip_preprocess`)."""
-  if family == "siglip":
-    return siglip_preprocess(image, size)
-  return normalize(resize_center_crop(image, size))
+  """The model family's preprocessing of one image (PIL or uint8 array) -> float32 [size, size, 3], normalised
+  (`pixels_of`'s second half)."""
+  return pixels_of(image, size, family)[1]
 
 
 def normalize(image: np.ndarray) -> np.ndarray:
@@ -51,18 +49,27 @@ def resize_square(image, size: int) -> np.ndarray:
   return np.asarray(img, np.uint8)
 
 
-def siglip_preprocess(image, size: int) -> np.ndarray:
-  """SigLIP preprocessing of one image -> float32 [size, size, 3] in [-1, 1] (mean 0.5, std 0.5)."""
-  return np.asarray(resize_square(image, size), np.float32) / 127.5 - 1.0
+def _clip_pixels(image, size: int):
+  """OpenAI CLIP's: short side to `size` (bicubic), centre crop, CLIP mean/std."""
+  u8 = resize_center_crop(image, size)
+  return u8, normalize(u8)
+
+
+def _siglip_pixels(image, size: int):
+  """SigLIP's: the whole image resized to size x size, mean 0.5 / std 0.5."""
+  u8 = resize_square(image, size)
+  return u8, np.asarray(u8, np.float32) / 127.5 - 1.0
+
+
+# CLIPConfig.family -> its image preprocessing (hnclip_jax/models/family.py: the family names)
+PREPROCESS = {"clip": _clip_pixels, "siglip": _siglip_pixels}
 
 
 def pixels_of(image, size: int, family: str = "clip") -> tuple[np.ndarray, np.ndarray]:
-  """(uint8 [size, size, 3] as the model sees it, float32 normalised) for the model family."""
-  if family == "siglip":
-    u8 = resize_square(image, size)
-    return u8, np.asarray(u8, np.float32) / 127.5 - 1.0
-  u8 = resize_center_crop(image, size)
-  return u8, normalize(u8)
+  """(uint8 [size, size, 3] as the model sees it, float32 normalised) for the model family (`PREPROCESS`)."""
+  if family not in PREPROCESS:
+    raise ValueError(f"model family {family!r} has no image preprocessing here; known: {sorted(PREPROCESS)}")
+  return PREPROCESS[family](image, size)
 
 
 def text_of(c) -> str:

@@ -6,7 +6,6 @@ holds, per benchmark, Recall@1/5/10 text->image and image->text; per direction t
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 
@@ -51,7 +50,7 @@ def resolve(config, names: str, order: list[str] | None = None) -> list[Benchmar
   for name in wanted:
     entry = dict(listed[name])
     split = entry.pop("split", DEFAULT_SPLIT)
-    data = copy.deepcopy(config.data)
+    data = ml_collections.ConfigDict(config.data)  # a copy (the resolved run's config is frozen)
     with data.unlocked():
       data.update({"name": name, **entry})
     if data.name != "synthetic":

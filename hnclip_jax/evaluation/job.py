@@ -21,7 +21,7 @@ import time
 
 import jax
 
-from hnclip_jax import experiment, frameworks, paths, sharding, storage
+from hnclip_jax import frameworks, paths, sharding, storage
 from hnclip_jax.data import builders, pipeline
 from hnclip_jax.evaluation import benchmarks as bench_lib, embedding
 from hnclip_jax.evaluation.retrieval import recall_from_scores
@@ -41,19 +41,19 @@ class Gone(Exception):
 
 class Evaluator:
 
-  def __init__(self, config, wd: Workdir, benchmarks: list, score: str, mesh, rules):
-    self.config, self.wd, self.benchmarks, self.score, self.mesh = config, wd, benchmarks, score, mesh
-    self.model_cfg, self.tokenizer, _ = experiment.resolve_model(config, wd, training=False)
-    sharding.check_model_fits(self.model_cfg, mesh, rules)
+  def __init__(self, run, benchmarks: list, score: str):
+    """`run`: the resolved eval run (experiment.resolve(..., "eval")): its config, workdir, model, tokenizer, mesh."""
+    self.config, self.wd, self.benchmarks, self.score, self.mesh = run.config, run.wd, benchmarks, score, run.mesh
+    self.model_cfg, self.tokenizer = run.model, run.tokenizer
     graphdef, abstract_params = abstract_model(self.model_cfg)
-    param_sh = sharding.state_shardings({"params": abstract_params}, "params", mesh, rules)["params"]
+    param_sh = sharding.state_shardings({"params": abstract_params}, "params", run.mesh, run.rules)["params"]
     self.target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params,
                                param_sh)
-    self.encoders = embedding.make_embed_fn(graphdef, mesh, param_sh)
-    self.scorer = frameworks.score(score, self.model_cfg, wd.path)  # None: cosine
+    self.encoders = embedding.make_embed_fn(graphdef, run.mesh, param_sh)
+    self.scorer = frameworks.score(score, self.model_cfg, run.wd.path)  # None: cosine
     self.score_encoders = None if self.scorer is None else embedding.make_score_embed_fn(
-        graphdef, mesh, param_sh, self.scorer, config)
-    self.ckpt = wd.checkpointer(read_only=True)
+        graphdef, run.mesh, param_sh, self.scorer, run.config)
+    self.ckpt = run.wd.checkpointer(read_only=True)
     self._data = {}
 
   def data(self, b):

@@ -30,18 +30,21 @@ def blocks() -> list:
   return [(name, importlib.import_module(m)) for name, m in REGISTRY.items() if m is not None]
 
 
-_CHECKED = {}  # id(framework) -> framework: checked against the contract once per process
+_RESOLVED = {}  # config.framework -> the framework: imported and checked against the contract once per process
+RESOLUTIONS = [0]  # how many times a framework was looked up and checked (tests: once per process and name)
 
 
 def resolve(name: str):
   """config.framework -> the framework (a module or object; None for "longclip"), checked against the contract
   (base.Framework). A name with a colon, "package.module:Name", imports Name from package.module (found on sys.path
-  / PYTHONPATH)."""
-  fw = _find(name)
-  if fw is not None and id(fw) not in _CHECKED:
-    check_framework(fw, name)
-    _CHECKED[id(fw)] = fw
-  return fw
+  / PYTHONPATH). Resolved once per process and name; later calls return the same object."""
+  if name not in _RESOLVED:
+    fw = _find(name)
+    if fw is not None:
+      check_framework(fw, name)
+    RESOLUTIONS[0] += 1
+    _RESOLVED[name] = fw
+  return _RESOLVED[name]
 
 
 def _find(name: str):
@@ -131,9 +134,13 @@ def model_fields(config) -> dict:
 def hook(config, name: str):
   """The chosen framework's function `name`, one of the contract's hooks (None when it has none, or for
   "longclip"; a subclass of base.Framework that does not override it has none)."""
+  return hook_of(resolve(check_name(config)), name)
+
+
+def hook_of(fw, name: str):
+  """`hook` of a resolved framework `fw` (a resolved run's `framework`)."""
   if name not in HOOKS:
     raise AttributeError(f"{name!r} is no hook of the framework contract (base.Framework): {sorted(HOOKS)}")
-  fw = resolve(check_name(config))
   fn = None if fw is None else getattr(fw, name, None)
   return None if fn is getattr(Framework, name) else fn
 
@@ -195,6 +202,6 @@ def objective_for(config, obj):
   return obj if add is None else add(config, obj)
 
 
-__all__ = ["Context", "Framework", "REGISTRY", "Score", "Term", "block_name", "blocks", "check_name", "external_block", "hook",
+__all__ = ["Context", "Framework", "REGISTRY", "Score", "Term", "block_name", "blocks", "check_name", "external_block", "hook", "hook_of",
            "input_specs", "loss_settings", "model_fields", "objective_for", "resolve", "score", "settings",
            "upgrade_model_dict", "use"]

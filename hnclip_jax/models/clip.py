@@ -1,7 +1,8 @@
-"""CLIP dual encoders in Flax NNX: OpenAI CLIP (ViT image tower with a class token + causal text transformer
-pooled at the end-of-text token) and SigLIP (ViT without a class token pooled by an attention-pooling head +
-bidirectional text transformer pooled at its last position through a dense head, and a learned logit bias), one
-module selected by `CLIPConfig.family`, so adapters, sharding rules, frameworks and checkpoints treat both alike.
+"""CLIP dual encoders in Flax NNX: the config, the shared building blocks (attention, transformer blocks, adapter
+layers) and the dual encoder `CLIP`, whose family-specific parts — OpenAI CLIP's class token, projections and
+end-of-text pooling (`clip_family.py`), SigLIP's attention-pooling head and dense text head (`siglip_family.py`) —
+come from the family `CLIPConfig.family` names (`family.py`), so adapters, sharding rules, frameworks and
+checkpoints treat every family alike.
 
 Parameters are Flax `nnx.Param`s; the trainer works with their pure-dict form
 (`split_params`) and rebuilds the module inside jit with `nnx.merge`.
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hnclip_jax.models import family as families
 from hnclip_jax.sharding import constrain_batch
 
 LOGIT_SCALE_MAX = 100.0
@@ -101,11 +103,6 @@ class CLIPConfig:
       may_be_zero = f.name == "adapter_dropout"
       if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 and not may_be_zero:
         raise ValueError(f"config.model.{f.name}={v} must be positive")
-    # SigLIP's conv covers the whole patches only (So400m/14 at 384 px: 27 x 27 patches, the last 6 pixel rows and
-    # columns unused), as transformers' does; CLIP's sizes always tile the image.
-    if self.image_size % self.patch_size and self.family != "siglip":
-      raise ValueError(f"config.model.image_size={self.image_size} is not a multiple of "
-                       f"config.model.patch_size={self.patch_size}")
     for tower in ("vision", "text"):
       w, h = getattr(self, f"{tower}_width"), getattr(self, f"{tower}_heads")
       if w % h:
@@ -121,11 +118,7 @@ class CLIPConfig:
                        "fp32 kernel); use attention='auto' or 'xla' for fp32")
     if self.token_projection not in TOKEN_PROJECTIONS:
       raise ValueError(f"config.model.token_projection={self.token_projection!r}; choose one of {TOKEN_PROJECTIONS}")
-    if self.family not in FAMILIES:
-      raise ValueError(f"config.model.family={self.family!r}; choose one of {FAMILIES}")
-    if self.family == "siglip" and self.embed_dim != self.vision_width:
-      raise ValueError(f"config.model.embed_dim={self.embed_dim} must equal vision_width={self.vision_width} for "
-                       "family='siglip' (the attention-pooling head's output is the image embedding)")
+    families.get(self.family).check(self)  # the family's own (an unknown family: its choices)
     if self.act not in ACTIVATIONS:
       raise ValueError(f"config.model.act={self.act!r}; choose one of {sorted(ACTIVATIONS)}")
     if not 0 <= self.adapter_dropout < 1:
@@ -147,7 +140,7 @@ class CLIPConfig:
 
 
 TOKEN_PROJECTIONS = ("shared", "separate")
-FAMILIES = ("clip", "siglip")
+FAMILIES = families.NAMES
 ADAPTERS = ("none", "lora", "dora")
 
 
@@ -362,28 +355,6 @@ class Block(nnx.Module):
     return x + _apply(self.fc2, self.act(_apply(self.fc1, self.ln2(x), _key(rng, 1))), _key(rng, 2))
 
 
-class MAPHead(nnx.Module):
-  """SigLIP's multihead attention-pooling head: a learned probe attends over the tokens, then a residual MLP on
-  the pooled vector: y = a + mlp(ln(a)), a = attn(probe, x, x). Its dense layers are named like a block's
-  ("vision_head/attn/q", "vision_head/fc1"), so adapters and sharding rules treat them alike."""
-
-  def __init__(self, width, heads, mlp_dim, act, eps, *, dtype, rngs, attention="auto", dense=None,
-               prefix="vision_head"):
-    dense = dense or dense_factory(None, dtype, rngs)
-    self.probe = nnx.Param(nnx.initializers.normal(width ** -0.5)(rngs.params(), (width,)))
-    self.attn = Attention(width, heads, dtype=dtype, rngs=rngs, implementation=attention, dense=dense,
-                          prefix=f"{prefix}/attn")
-    self.ln = nnx.LayerNorm(width, epsilon=eps, dtype=dtype, rngs=rngs)
-    init = nnx.initializers.normal((2 * width) ** -0.5)
-    self.fc1 = dense(f"{prefix}/fc1", width, mlp_dim, init)
-    self.fc2 = dense(f"{prefix}/fc2", mlp_dim, width, init)
-    self.act = ACTIVATIONS[act]
-
-  def __call__(self, x, rng=None):  # [B, L, W] -> [B, W]
-    a = self.attn.pool(self.probe[...], x, _key(rng, 0))
-    return a + _apply(self.fc2, self.act(_apply(self.fc1, self.ln(a), _key(rng, 1))), _key(rng, 2))
-
-
 class Transformer(nnx.Module):
 
   def __init__(self, width, layers, heads, mlp_dim, act, eps, *, dtype, rngs, remat="none", attention="auto",
@@ -440,30 +411,20 @@ class CLIP(nnx.Module):
 
   def __init__(self, cfg: CLIPConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
+    fam = families.get(cfg.family)
     dt = jnp.dtype(cfg.dtype)
     vw, tw = cfg.vision_width, cfg.text_width
-    siglip = cfg.family == "siglip"
-    n_patches = (cfg.image_size // cfg.patch_size) ** 2
     normal = lambda std: nnx.initializers.normal(std)
     dense = dense_factory(cfg, dt, rngs)
-    # Image tower.
+    # Image tower (parameters created in this order: the random initialisation follows it).
     self.patch_embed = nnx.Conv(3, vw, kernel_size=(cfg.patch_size,) * 2, strides=(cfg.patch_size,) * 2,
-                                padding="VALID", use_bias=siglip, dtype=dt, rngs=rngs)
-    if siglip:
-      self.vision_positions = nnx.Param(normal(vw ** -0.5)(rngs.params(), (n_patches, vw)))
-    else:
-      self.class_embedding = nnx.Param(normal(vw ** -0.5)(rngs.params(), (vw,)))
-      self.vision_positions = nnx.Param(normal(vw ** -0.5)(rngs.params(), (n_patches + 1, vw)))
-      self.ln_pre = nnx.LayerNorm(vw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
+                                padding="VALID", use_bias=fam.patch_bias, dtype=dt, rngs=rngs)
+    fam.build_image_stem(self, cfg, dt, rngs)
     self.vision = Transformer(vw, cfg.vision_layers, cfg.vision_heads, cfg.vision_mlp_dim, cfg.act, cfg.ln_eps,
                               dtype=dt, rngs=rngs, remat=cfg.remat, attention=cfg.attention, dense=dense,
                               prefix="vision")
     self.ln_post = nnx.LayerNorm(vw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
-    if siglip:
-      self.vision_head = MAPHead(vw, cfg.vision_heads, cfg.vision_mlp_dim, cfg.act, cfg.ln_eps, dtype=dt, rngs=rngs,
-                                 attention=cfg.attention, dense=dense)
-    else:
-      self.visual_projection = nnx.Param(normal(vw ** -0.5)(rngs.params(), (vw, cfg.embed_dim)))
+    fam.build_image_head(self, cfg, dt, dense, rngs)
     # Text tower.
     self.token_embedding = nnx.Embed(cfg.vocab_size, tw, embedding_init=normal(0.02), dtype=dt, rngs=rngs)
     self.text_positions = nnx.Param(normal(0.01)(rngs.params(), (cfg.text_context, tw)))
@@ -471,11 +432,8 @@ class CLIP(nnx.Module):
                             dtype=dt, rngs=rngs, remat=cfg.remat, attention=cfg.attention, dense=dense,
                             prefix="text")
     self.ln_final = nnx.LayerNorm(tw, epsilon=cfg.ln_eps, dtype=dt, rngs=rngs)
-    if siglip:  # a dense layer with a bias (not an adapter target: it is the tower's projection)
-      self.text_head = nnx.Linear(tw, cfg.embed_dim, kernel_init=normal(tw ** -0.5), dtype=dt, rngs=rngs)
-    else:
-      self.text_projection = nnx.Param(normal(tw ** -0.5)(rngs.params(), (tw, cfg.embed_dim)))
-    self.logit_scale = nnx.Param(jnp.asarray(math.log(10.0 if siglip else 1 / 0.07), jnp.float32))
+    fam.build_text_head(self, cfg, dt, rngs)
+    self.logit_scale = nnx.Param(jnp.asarray(fam.logit_scale_init, jnp.float32))
     if cfg.logit_bias:
       self.logit_bias = nnx.Param(jnp.asarray(-10.0, jnp.float32))
     if cfg.parts:
@@ -483,11 +441,7 @@ class CLIP(nnx.Module):
                                                           nnx.Rngs(rngs.params())).items():
         setattr(self, name, module)
     if cfg.token_projection == "separate":
-      if siglip:
-        raise ValueError("config.model.token_projection='separate' is for family='clip' (SigLIP's tokens go through "
-                         "the towers' own final norms and heads); use 'shared'")
-      self.visual_token_projection = nnx.Param(jnp.array(self.visual_projection[...]))
-      self.text_token_projection = nnx.Param(jnp.array(self.text_projection[...]))
+      fam.build_token_projections(self, cfg)
 
   def image_tower(self, pixels, token_layer: int | None = None, rng=None):
     """pixels [B, H, W, 3] -> (pooled [B, E], tokens [B, 1+P, E] or None), both projected and unnormalised.
@@ -497,27 +451,12 @@ class CLIP(nnx.Module):
     return self._image_tower(pixels, token_layer, rng)[:2]
 
   def _image_tower(self, pixels, token_layer=None, rng=None):
-    """`image_tower`'s (pooled, tokens) and the last block's output [B, 1+P, W] (before the final LayerNorm)."""
-    dt = jnp.dtype(self.cfg.dtype)
-    x = self.patch_embed(pixels.astype(dt))  # [B, h, w, W]
-    b = x.shape[0]
-    x = x.reshape(b, -1, x.shape[-1])
-    if self.cfg.family == "siglip":  # no class token, no pre-LN; the MAP head pools the normalised tokens
-      x = x + self.vision_positions[...].astype(dt)
-      h, kept = self._run(self.vision, x, False, token_layer, rng)
-      pooled = self.vision_head(self.ln_post(h), _key(rng, 1 << 20))
-      return pooled, (None if kept is None else self.ln_post(kept)), h
-    cls = jnp.broadcast_to(self.class_embedding[...].astype(dt), (b, 1, x.shape[-1]))
-    x = jnp.concatenate([cls, x], axis=1) + self.vision_positions[...].astype(dt)
-    proj = self.visual_projection[...].astype(dt)
-    x, kept = self._run(self.vision, self.ln_pre(x), False, token_layer, rng)
-    if kept is None:
-      return self.ln_post(x[:, 0]) @ proj, None, x
-    tok_proj = self.visual_token_projection[...].astype(dt) if self.cfg.token_projection == "separate" else proj
-    return self.ln_post(x[:, 0]) @ proj, self.ln_post(kept) @ tok_proj, x
+    """`image_tower`'s (pooled, tokens) and the last block's output (before the final LayerNorm)."""
+    x = self.patch_embed(pixels.astype(jnp.dtype(self.cfg.dtype)))  # [B, h, w, W]
+    return families.get(self.cfg.family).image_tower(self, x.reshape(x.shape[0], -1, x.shape[-1]), token_layer, rng)
 
   @staticmethod
-  def _run(transformer, x, causal, token_layer, rng):
+  def run_tower(transformer, x, causal, token_layer, rng):
     """(last block's output, block `token_layer`'s output or None)."""
     if token_layer is None:
       return transformer(x, causal=causal, rng=rng), None
@@ -536,20 +475,11 @@ class CLIP(nnx.Module):
   def _text_tower(self, tokens, token_layer=None, rng=None):
     """`text_tower`'s (pooled, tokens) and the last block's output [B, L, W] (before the final LayerNorm)."""
     dt = jnp.dtype(self.cfg.dtype)
-    length = tokens.shape[1]
-    x = self.token_embedding(tokens) + self.text_positions[...][:length].astype(dt)
-    siglip = self.cfg.family == "siglip"
-    h, kept = self._run(self.text, x, not siglip, token_layer, rng)
-    x = self.ln_final(h)
-    if siglip:  # the last position (SigLIP pads to the full length), through the dense head
-      pooled = self.text_head(x[:, -1])
-      return pooled, (None if kept is None else self.text_head(self.ln_final(kept))), h
-    pooled = jnp.take_along_axis(x, self.eot_positions(tokens)[:, None, None], axis=1)[:, 0]
-    proj = self.text_projection[...].astype(dt)
-    if kept is None:
-      return pooled @ proj, None, h
-    tok_proj = self.text_token_projection[...].astype(dt) if self.cfg.token_projection == "separate" else proj
-    return pooled @ proj, self.ln_final(kept) @ tok_proj, h
+    fam = families.get(self.cfg.family)
+    x = self.token_embedding(tokens) + self.text_positions[...][:tokens.shape[1]].astype(dt)
+    h, kept = self.run_tower(self.text, x, fam.causal_text, token_layer, rng)
+    pooled, tok = fam.text_head(self, self.ln_final(h), kept, tokens)
+    return pooled, tok, h
 
   def eot_positions(self, tokens):  # [B, L] int -> [B] first end-of-text position
     return jnp.argmax(tokens == self.cfg.eot_token_id, axis=1)
@@ -604,10 +534,7 @@ class CLIP(nnx.Module):
     if token_layer is not None:
       hidden.update(image_tokens=img_tok, text_tokens=txt_tok)
       dt = jnp.dtype(self.cfg.dtype)
-      if image_cls_token and self.cfg.family == "siglip":
-        raise ValueError("config.loss.token_image_cls=True: a SigLIP image tower has no class token; set it False")
-      if not image_cls_token and self.cfg.family != "siglip":
-        img_tok = img_tok[:, 1:]
+      img_tok = families.get(self.cfg.family).patch_tokens(img_tok, image_cls_token)
       out["img_tokens"] = _l2_normalize(img_tok).astype(dt)
       out["txt_tokens"] = _l2_normalize(txt_tok).astype(dt)
       out["txt_mask"] = jnp.arange(tokens.shape[1])[None, :] <= self.eot_positions(tokens)[:, None]

@@ -190,6 +190,10 @@ def check_source(path: str, what: str = "path") -> None:
                      "for Hugging Face weights pass their directory")
 
 
+# CLIPConfig.family -> the tokenizer of a transformers directory of that family (directory, context) -> tokenizer.
+HF_TOKENIZERS = {"clip": _tokenizer_near, "siglip": SigLIPTokenizer.from_directory}
+
+
 def load(path: str, step: int | str | None = None) -> Pretrained:
   """Loads CLIP weights from any supported source (see the module docstring); the architecture is inferred.
   `step`: which checkpoint of a train.py workdir (default: the newest; "best": the best step an `eval.py --watch`
@@ -214,9 +218,7 @@ def load(path: str, step: int | str | None = None) -> Pretrained:
         got = load(local)
       return Pretrained(got.config, got.params, got.tokenizer, path)
     cfg, params = weights.read_hf_directory(path)
-    if cfg.family == "siglip":
-      return Pretrained(cfg, params, SigLIPTokenizer.from_directory(path, cfg.text_context), path)
-    return Pretrained(cfg, params, _tokenizer_near(path, cfg.text_context), path)
+    return Pretrained(cfg, params, HF_TOKENIZERS[cfg.family](path, cfg.text_context), path)
   if paths.is_url(path):  # an OpenAI .pt file (and a tokenizer beside it) from a local copy of its directory
     with paths.local_copy(paths.dirname(path)) as local:
       got = load(os.path.join(local, paths.basename(path)))

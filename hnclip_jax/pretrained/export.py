@@ -210,8 +210,11 @@ def parts_left_out(model) -> list[str]:
 def export_hf(model, out_dir: str) -> list[str]:
   """Writes the Hugging Face directory (CLIPModel, or SiglipModel for SigLIP towers); returns warnings (what could
   not be exported)."""
-  if model.config.family == "siglip":
-    return export_hf_siglip(model, out_dir)
+  return HF_EXPORTS[model.config.family](model, out_dir)
+
+
+def export_hf_clip(model, out_dir: str) -> list[str]:
+  """A CLIP-family model as a transformers CLIPModel directory; returns warnings."""
   from safetensors.numpy import save_file
   os.makedirs(out_dir, exist_ok=True)
   save_file(hf_state_dict(model.params, model.config), os.path.join(out_dir, "model.safetensors"),
@@ -246,6 +249,12 @@ def export_hf(model, out_dir: str) -> list[str]:
   return parts_left_out(model)
 
 
+# CLIPConfig.family -> (its transformers class, its Hugging Face export); its OpenAI-format export, where it has one.
+HF_EXPORTS = {"clip": export_hf_clip, "siglip": export_hf_siglip}
+HF_CLASSES = {"clip": "CLIPModel", "siglip": "SiglipModel"}
+OPENAI_FAMILIES = ("clip",)
+
+
 def _word_tokenizer_json(tok, path: str) -> None:
   """The word-level tokenizer as one tokenizer.json that adds start/end tokens like training does; with
   `padding="max_length", truncation=True, max_length=context` it gives our ids (pad id 0)."""
@@ -265,9 +274,9 @@ def openai_state_dict(params, cfg) -> dict:
   why = []
   if cfg.token_projection != "shared":
     why.append("it has separate token projections (config.model.token_projection='separate')")
-  if cfg.family != "clip":
+  if cfg.family not in OPENAI_FAMILIES:
     raise ValueError(f"a {cfg.family} model cannot be written in the OpenAI CLIP format; export it with --format=hf "
-                     "(a transformers SiglipModel directory)")
+                     f"(a transformers {HF_CLASSES[cfg.family]} directory)")
   if cfg.act != "quick_gelu":
     why.append(f"its activation is {cfg.act!r} (OpenAI's model code is QuickGELU)")
   for tower, width, heads in (("vision", cfg.vision_width, cfg.vision_heads), ("text", cfg.text_width,
@@ -364,7 +373,7 @@ def main(argv):
     warnings = export_openai(model, out)
   for w in warnings:
     print(f"warning: {w}")
-  what = f"Hugging Face {'SiglipModel' if model.config.family == 'siglip' else 'CLIPModel'}" if fmt == "hf" else ("Long-CLIP state dict" if model.config.text_context ==
+  what = f"Hugging Face {HF_CLASSES[model.config.family]}" if fmt == "hf" else ("Long-CLIP state dict" if model.config.text_context ==
                                                        LONGCLIP_CONTEXT else "OpenAI-CLIP state dict")
   print(f"wrote {out} ({what}) from {model.source}")
 

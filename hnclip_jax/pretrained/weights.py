@@ -59,14 +59,19 @@ def _hf_act(name, where):
 
 
 def hf_config(config_json: str) -> CLIPConfig:
-  """CLIPConfig from a transformers CLIPModel or SiglipModel config.json."""
+  """CLIPConfig from a transformers CLIPModel or SiglipModel config.json: its model_type names the family
+  (HF_CONFIGS; an old config without one is CLIP's)."""
   with open(config_json) as f:
     c = json.load(f)
-  if c.get("model_type") == "siglip":
-    return hf_siglip_config(c, config_json)
-  if c.get("model_type") not in ("clip", None) or "vision_config" not in c or "text_config" not in c:
+  kind = c.get("model_type") or "clip"
+  if kind not in HF_CONFIGS or "vision_config" not in c or "text_config" not in c:
     raise ValueError(f"{config_json}: not a CLIP or SigLIP config (model_type={c.get('model_type')!r}); expected a "
                      "transformers CLIPModel or SiglipModel directory")
+  return HF_CONFIGS[kind](c, config_json)
+
+
+def hf_clip_config(c: dict, config_json: str) -> CLIPConfig:
+  """CLIPConfig(family="clip") from a transformers CLIPModel config.json's contents."""
   v, t = c["vision_config"], c["text_config"]
   act_v, act_t = _hf_act(v.get("hidden_act", "quick_gelu"), config_json), _hf_act(t.get("hidden_act", "quick_gelu"),
                                                                                 config_json)
@@ -160,8 +165,11 @@ def _hf_blocks(sd, prefix, layers):
 
 
 def hf_params(sd: dict, cfg: CLIPConfig, where: str) -> dict:
-  if cfg.family == "siglip":
-    return hf_siglip_params(sd, cfg, where)
+  """A transformers state dict -> our params, by the model family's layout (HF_PARAMS)."""
+  return HF_PARAMS[cfg.family](sd, cfg, where)
+
+
+def hf_clip_params(sd: dict, cfg: CLIPConfig, where: str) -> dict:
   ln = lambda name: _norm(sd, name)
   try:
     return {
@@ -184,6 +192,11 @@ def hf_params(sd: dict, cfg: CLIPConfig, where: str) -> dict:
 
 
 # --------------------------------------------------------------------------- OpenAI / Long-CLIP
+
+
+# transformers' model_type (= CLIPConfig.family, hnclip_jax/models/family.py) -> its config and weight readers.
+HF_CONFIGS = {"clip": hf_clip_config, "siglip": hf_siglip_config}
+HF_PARAMS = {"clip": hf_clip_params, "siglip": hf_siglip_params}
 
 
 def _count(sd, pattern):

@@ -53,12 +53,11 @@ import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
-import types  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from hnclip_jax import config as config_lib, experiment, sharding, train_step  # noqa: E402
+from hnclip_jax import experiment, sharding, train_step  # noqa: E402
 from hnclip_jax.cli import clean_errors  # noqa: E402
 from hnclip_jax.hlo import collective_stats, compiler_remat, matmul_flops  # noqa: E402
 
@@ -214,22 +213,24 @@ def global_flops(lowered) -> float:
     return float("nan")
 
 
+def step_program(config, devices):
+  """The train step train.py builds for `config` on `devices` -> (the resolved run (experiment.resolve, purpose
+  "compile"), its train_step.Program, the step's abstract arguments (state, batch) to lower it on)."""
+  run = experiment.resolve(config, None, "compile", devices=devices)
+  program = train_step.build_program(run)
+  return run, program, (program.target(), train_step.abstract_batch(run))
+
+
 def compile_report(config, topology: str, devices=None, return_compiled: bool = False, slices: int = 1):
   """Compiles train.py's step of `config` for `topology` (× `slices`); returns the per-chip report (see the module
   doc), and the compiled executable too with `return_compiled`."""
   import jax
-  config = config_lib.validate(config)
   devices = topology_devices(topology, slices) if devices is None else devices
   chip = chip_spec(topology)
-  mesh = sharding.make_mesh(config.mesh, devices)
-  rules = sharding.parse_rules(config.mesh.rules)
-  sharding.check_batch_size(config.batch_size, mesh)
-  train_step.check_accumulation(config, mesh)
-  model_cfg = model_for(config)
-  train_step.check_model(config, model_cfg, mesh, rules)
-  program = train_step.build_program(config, model_cfg, mesh, rules)
+  run, program, args = step_program(config, devices)
+  config, mesh, model_cfg = run.config, run.mesh, run.model
   t0 = time.perf_counter()
-  lowered = program.step.lower(program.target(), train_step.abstract_batch(config, model_cfg, mesh))
+  lowered = program.step.lower(*args)
   try:
     compiled = lowered.compile(GPU_COMPILER_OPTIONS if chip["platform"] == "cuda" else None)
   except jax.errors.JaxRuntimeError as e:
@@ -308,21 +309,6 @@ def out_of_memory(message: str):
                 else (float("nan"), float("nan")))
   first = next((line.strip() for line in message.splitlines() if "RESOURCE_EXHAUSTED" in line), message.strip())
   return {"fits": False, "compiler_refused": first[:300], "required_bytes": need, "usable_hbm_bytes": have}
-
-
-CLIP_BPE_VOCAB = 49408
-
-
-def model_for(config):
-  """The architecture the run would train, built by the functions train.py uses (experiment.pretrained_start,
-  experiment.model_config): config.init_from's (read from the weights) or config.model. Without weights there is
-  no data here to fit a tokenizer on: a vocabulary size 0 / end token -1 means the CLIP BPE tokenizer's 49,408 /
-  the last id; sizes the config gives are taken as they are."""
-  if config.init_from:
-    return experiment.pretrained_start(config)[0]
-  vocab = config.model.vocab_size or CLIP_BPE_VOCAB
-  eot = config.model.eot_token_id if config.model.eot_token_id >= 0 else vocab - 1
-  return experiment.model_config(config, types.SimpleNamespace(vocab_size=vocab, eot_id=eot, kind="assumed"))
 
 
 def _gb(x):
