@@ -30,7 +30,7 @@ def main(argv):
   import hnclip_jax
   from hnclip_jax import (checkpoint, config as config_lib, diagnostics, experiment, faults, hlo, hostmem, optim,
                           paths, preemption, sharding, storage, train_step)
-  from hnclip_jax.data import builders, pipeline
+  from hnclip_jax.data import builders, clustering, pipeline
   from hnclip_jax.evaluation import embedding
   from hnclip_jax.evaluation.retrieval import NonFiniteEmbeddings
   from hnclip_jax.metrics import MetricsWriter, Progress, StepProfiler, Throughput, log, quiet_libraries
@@ -96,11 +96,29 @@ def main(argv):
           "config": json.loads(config.to_json()), "code_version": hnclip_jax.code_version()}
   writer = MetricsWriter(workdir)
   writer.truncate_after(start)
+  plan = None
+  if config.data.batching == "clustered":  # batches of caption neighbours under the start model (data/clustering.py)
+    index = clustering.read_index(workdir, len(train_source))
+    if index is None and start > 0:
+      raise ValueError(f"{clustering.index_paths(workdir)[0]} is missing: this run's clustered batches come from its "
+                       "start model's caption embeddings, stored at its first start, and cannot be made again from a "
+                       "later checkpoint. Restore the file, or start a new workdir")
+    if index is None:
+      index = embedding.embed_captions(state["params"], embed_fn, pipeline.caption_lists(builders.data_source(
+          config.data, config.data.train_split, decode_images=False)), tokenizer, mesh, config.eval_batch_size)
+      if jax.process_index() == 0:
+        clustering.write_index(workdir, index, config.init_from or f"initial parameters (seed {config.seed})")
+    plan = clustering.ClusteredBatches(index, config.batch_size, config.seed)
+    crowd = clustering.mean_in_batch_similarity(index, plan.plan(0))
+    spread = clustering.mean_in_batch_similarity(index, clustering.random_plan(len(index), config.batch_size,
+                                                                                config.seed, 0))
+    log(f"clustered batches: mean in-batch caption similarity (the start model's, epoch 0) {crowd:.3f}, against "
+        f"{spread:.3f} for random batches")
   batches = iter(pipeline.train_dataset(
       train_source, tokenizer, image_size=model_cfg.image_size, global_batch=config.batch_size, seed=config.seed,
       start_step=start, rows=sharding.process_rows(mesh, config.batch_size),
       workers=config.workers, extra_inputs=None if make_inputs is None else make_inputs(config, model_cfg, tokenizer),
-      family=model_cfg.family))
+      family=model_cfg.family, plan=plan))
 
   eval_captions = None  # read once, at the first eval, without decoding images
 

@@ -1,6 +1,8 @@
-"""Input pipeline throughput: decode + CLIP preprocessing + tokenization, images/s, for 0/1/2 grain workers.
+"""Input pipeline throughput: decode + CLIP preprocessing + tokenization, images/s, for 0/1/2 grain workers, with
+random and clustered batches (config.data.batching), and what a clustered epoch's plan costs the host.
 
-  python benchmarks/input_pipeline.py [--image_size 224] [--batch 32] [--batches 20] [--json out.json]
+  python benchmarks/input_pipeline.py [--image_size 224] [--batch 32] [--batches 20] [--batching random,clustered]
+                                      [--plan_sizes 4096,9647,50000] [--json out.json]
 
 Writes a 'pairs' dataset of realistic JPEGs (480×360 photos-like noise + gradients, 60-word captions) to a temp
 dir, builds it with the TFDS builder, and times the training iterator after one warm-up batch.
@@ -20,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import dump, table  # noqa: E402
 from hnclip_jax.config import base_config  # noqa: E402
-from hnclip_jax.data import builders, pipeline  # noqa: E402
+from hnclip_jax.data import builders, clustering, pipeline  # noqa: E402
 from hnclip_jax.data.tokenizer import WordTokenizer  # noqa: E402
 
 
@@ -46,6 +48,10 @@ def main():
   p.add_argument("--batch", type=int, default=32)
   p.add_argument("--batches", type=int, default=20)
   p.add_argument("--workers", default="0,1,2")
+  p.add_argument("--batching", default="random,clustered")
+  p.add_argument("--plan_sizes", default="4096,9647,50000",
+                 help="training-set sizes whose clustered epoch plan is timed (768-d index, batch --plan_batch)")
+  p.add_argument("--plan_batch", type=int, default=128)
   p.add_argument("--json", default="")
   a = p.parse_args()
   from absl import flags
@@ -57,18 +63,31 @@ def main():
   source = builders.data_source(data, "train")
   tok = WordTokenizer.fit(pipeline.read_captions(source), context_length=77)
   rows = []
-  for workers in [int(w) for w in a.workers.split(",")]:
-    it = iter(pipeline.train_dataset(source, tok, image_size=a.image_size, global_batch=a.batch, seed=0,
-                                     workers=workers))
-    next(it)  # warm-up (starts worker processes)
-    t = time.perf_counter()
-    for _ in range(a.batches):
-      next(it)
-    dt = time.perf_counter() - t
-    rows.append({"workers": workers, "images_per_s": a.batch * a.batches / dt})
+  r = np.random.default_rng(0)
+  unit = lambda n, d: (x := r.normal(size=(n, d))) / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
+  index = unit(len(source), 64).astype(np.float32)  # a caption index: the plan's cost does not depend on the model
+  for batching in a.batching.split(","):
+    for workers in [int(w) for w in a.workers.split(",")]:
+      plan = clustering.ClusteredBatches(index, a.batch, 0) if batching == "clustered" else None
+      it = iter(pipeline.train_dataset(source, tok, image_size=a.image_size, global_batch=a.batch, seed=0,
+                                       workers=workers, plan=plan))
+      next(it)  # warm-up (starts worker processes; the clustered plan of epoch 0)
+      t = time.perf_counter()
+      for _ in range(a.batches):
+        next(it)
+      dt = time.perf_counter() - t
+      rows.append({"batching": batching, "workers": workers, "images_per_s": a.batch * a.batches / dt})
   print(f"input pipeline, {a.image_size}px, batch {a.batch}, {os.cpu_count()} CPU cores")
-  print(table(rows, ["workers", "images_per_s"]))
-  dump(a.json, rows)
+  print(table(rows, ["batching", "workers", "images_per_s"]))
+  plans = []
+  for n in [int(x) for x in a.plan_sizes.split(",") if x]:
+    index = unit(n, 768).astype(np.float32)
+    t = time.perf_counter()
+    clustering.epoch_plan(index, a.plan_batch, 0, 0)
+    plans.append({"examples": n, "batch": a.plan_batch, "epoch plan (s)": time.perf_counter() - t})
+  print("clustered batches: one epoch's plan on the host (768-d caption index)")
+  print(table(plans, ["examples", "batch", "epoch plan (s)"]))
+  dump(a.json, {"pipeline": rows, "plans": plans})
 
 
 if __name__ == "__main__":

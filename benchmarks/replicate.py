@@ -172,6 +172,11 @@ def saturation(w, g, plain, steps_per_epoch, batch) -> dict:
 
 
 # the per-epoch telemetry kept for every seed (results.json "saturation" -> "per_seed", "over_seeds")
+# --controls: the global term's settings of each control (docs/objective.md "Controls"); γ 0.5 unless it says.
+CONTROLS = {"constant": ["--config.loss.gamma=0.5", "--config.loss.margin=constant"],
+            "shuffled": ["--config.loss.gamma=0.5", "--config.loss.margin=shuffled"],
+            "topk3": ["--config.loss.gamma=0.5", "--config.loss.margin=topk", "--config.loss.margin_topk=3"],
+            "hn_nce": ["--config.loss.gamma=0", "--config.loss.hn_nce_beta=0.5"]}
 PER_SEED = ("examples_below_1e-3", "batch_loss_below_1e-3", "zero_embedding_gradient", "G_offdiag_mean")
 
 
@@ -219,6 +224,14 @@ def main():
   p.add_argument("--token_keeps", default="",
                  help="comma-separated f in (0, 1): the same with the token term on the fraction f of each example's "
                       "tokens (config.loss.token_keep)")
+  p.add_argument("--controls", default="",
+                 help="comma-separated controls of the margin (issue 55; docs/objective.md \"Controls\"): constant "
+                      "(γ 0.5 × the batch's mean Ḡ on every negative), shuffled (each row's Ḡ permuted among its "
+                      "negatives), topk3 (only each row's 3 nearest captions), hn_nce (HN-NCE, β 0.5, γ 0); every "
+                      "seed, paired with γ 0.5 and γ 0 (both must be in --gammas)")
+  p.add_argument("--batching", default="random", choices=("random", "clustered"),
+                 help="the fine-tuning runs' batches (config.data.batching): clustered = each batch an example and its "
+                      "nearest neighbours by the start model's caption embeddings")
   p.add_argument("--frozen_scale", action="store_true",
                  help="also fine-tune with the logit scale frozen at the start's value "
                       "(config.optimizer.train_logit_scale=False), γ 0 and 0.5, every seed")
@@ -254,6 +267,8 @@ def main():
   setup_file = os.path.join(out, "replicate_setup.json")
   setup = {"regime": a.regime, "quick": a.quick, "configs": {v: json.loads(config_of(v).to_json_best_effort())
                                                               for v in stage_variants}}
+  if a.batching != "random":  # the fine-tuning runs' directories do not name their batching: one --out per batching
+    setup["batching"] = a.batching
   if a.loss != "softmax":
     setup["loss"] = a.loss
     if a.frameworks:
@@ -263,7 +278,7 @@ def main():
       before = json.load(f)
     # --report_only trains nothing, so only the kind of run must match (older --out dirs have no "configs")
     keys = [k for k in setup if k != "configs"] if a.report_only else list(setup)
-    differ = sorted(k for k in set(keys) | {k for k in before if k in keys or k == "loss"}
+    differ = sorted(k for k in set(keys) | {k for k in before if k in keys or k in ("loss", "batching")}
                     if before.get(k) != setup.get(k))
     if differ:
       detail = {k: (before.get(k), setup.get(k)) for k in differ if k != "configs"}
@@ -275,7 +290,8 @@ def main():
                        "command's. Use another --out, or restore the configs (nothing was changed).")
   # The report covers the runs these flags select; one of another selection in --out is kept, not overwritten.
   report_of = {"seeds": seeds, "gammas": sorted(gammas), **{k: getattr(a, k) for k in (
-      "token_weights", "methods", "frameworks", "token_groups", "token_keeps", "frozen_scale")}}
+      "token_weights", "methods", "frameworks", "token_groups", "token_keeps", "frozen_scale")},
+      **({"controls": a.controls} if a.controls else {})}
   sfx = f"_{a.report_tag}" if a.report_tag else ""
   report_file = os.path.join(out, f"results{sfx}.json")
   if os.path.exists(report_file):
@@ -302,7 +318,7 @@ def main():
     shared += ["--config.model.family=siglip", "--config.model.logit_bias=True", "--config.model.act=gelu_tanh",
                f"--config.model.embed_dim={width}", "--config.loss.kind=sigmoid"]
     plain = "siglip"
-  common = ["--config", variant, *shared]
+  common = ["--config", variant, *shared] + (["--config.data.batching=clustered"] if a.batching == "clustered" else [])
   pre = os.path.join(out, "pretrain")
   # The fine-tuning start: stage 1's model, or under three_stage the "Long-CLIP" stage's (trained from stage 1).
   mid = os.path.join(out, "longclip") if a.regime == "three_stage" else None
@@ -334,6 +350,13 @@ def main():
   cost.update({f"keep{float(x)}": [f"--config.loss.token_keep={float(x)}"] for x in a.token_keeps.split(",") if x})
   cost_runs = {(c, s): os.path.join(out, "ft_tok1.0_gamma0.5_seed%d" % s if c == "full" else
                                     f"ft_tok1.0_{c}_gamma0.5_seed{s}") for c in cost for s in seeds}
+  controls = [c for c in a.controls.split(",") if c]
+  unknown = [c for c in controls if c not in CONTROLS]
+  if unknown:
+    raise SystemExit(f"--controls: unknown {unknown}; choose from {list(CONTROLS)}")
+  if controls and not {0.0, 0.5} <= set(gammas):
+    raise SystemExit("--controls are paired with the γ 0 and γ 0.5 runs: add both to --gammas")
+  ctl_runs = {(c, s): os.path.join(out, f"ft_ctl_{c}_seed{s}") for c in controls for s in seeds}
   small = os.path.join(out, "ft_gamma0.5_20pct")
   # three_stage: the 20% run for every seed (a paired comparison with γ = 0 on 100%); otherwise seed 0 only
   smalls = {s: small if s == 0 and a.regime != "three_stage" else f"{small}_seed{s}"
@@ -390,6 +413,10 @@ def main():
       fw_args = ["--config.optimizer.lr_multipliers=((r'^(image|text)_aggregator/', 10.0),)"] if name == "finelip" else []
       run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
            f"--config.framework={name}", *fw_args, *([f"--config.{name}.{setting}"] if setting else [])], w + ".log")
+    for (c, s), w in ctl_runs.items():
+      if finished(w, ft_steps):
+        continue
+      run([*common, *ft_args, "--workdir", w, f"--config.seed={s}", *CONTROLS[c]], w + ".log")
     for s, w in smalls.items():
       if not finished(w, ft_steps):
         run([*common, *ft_args, "--workdir", w, "--config.loss.gamma=0.5", f"--config.seed={s}",
@@ -441,6 +468,18 @@ def main():
     if (g, seeds[0]) in scale_runs:
       results["saturation"][f"{g}_frozen_scale"] = saturation(scale_runs[(g, seeds[0])], g, plain, steps_per_epoch,
                                                               batch)
+  results["controls"] = {c: mean_std([ctl_runs[(c, s)] for s in seeds]) for c in controls}
+  for c in controls:
+    for g in (0.5, 0.0):
+      results["paired"][f"control_{c}_vs_gamma{g}"] = paired([runs[(g, s)] for s in seeds],
+                                                             [ctl_runs[(c, s)] for s in seeds])
+    # the run's own objective ("hn": the control / HN-NCE) against plain InfoNCE on the same batches
+    results["saturation"][f"control_{c}"] = saturation(ctl_runs[(c, seeds[0])], 1.0, plain, steps_per_epoch, batch)
+    results["saturation"][f"control_{c}"]["per_seed"] = {
+        s: {k: v for k, v in saturation(ctl_runs[(c, s)], 1.0, plain, steps_per_epoch, batch).items()
+            if k in PER_SEED} for s in seeds}
+    results["saturation"][f"control_{c}"]["over_seeds"] = over_seeds(
+        results["saturation"][f"control_{c}"]["per_seed"].values())
   results["frozen_scale"] = {f"gamma{g}": mean_std([scale_runs[(g, s)] for s in seeds])
                              for g in (0.0, 0.5) if scale_runs}
   # γ = 0.5 vs γ = 0 on the same seeds, for every configuration that ran both
@@ -498,6 +537,9 @@ def main():
   for name, r in results["frozen_scale"].items():
     lines.append(f"| {name.removeprefix('gamma')}, logit scale frozen | " + " | ".join(
         f"{r[f'{d}/R@{k}'][0]:.2f} ± {r[f'{d}/R@{k}'][1]:.2f}" for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
+  for c, r in results["controls"].items():
+    lines.append(f"| control {c} | " + " | ".join(f"{r[f'{d}/R@{k}'][0]:.2f} ± {r[f'{d}/R@{k}'][1]:.2f}"
+                                                   for d in ("t2i", "i2t") for k in (1, 5, 10)) + " |")
   de = results["data_efficiency"]["gamma0.5_20pct"]
   lines.append(f"| 0.5, 20% data, seed {min(smalls)} | " + " | ".join(f"{de[f'{d}/R@{k}']:.2f}" for d in ("t2i", "i2t")
                                                        for k in (1, 5, 10)) + " |")

@@ -95,11 +95,18 @@ def base_config() -> ml_collections.ConfigDict:
   #   model needs a logit bias (SigLIP checkpoints and presets have one; or config.model.logit_bias=True).
   # sigmoid_schedule: how the sigmoid loss meets every caption on a mesh: "ring" (big_vision's chunked schedule:
   #   caption chunks passed around the batch axes with ppermute) or "gather" (all-gather the captions).
+  # margin: "geometry" (γ·Ḡ, HN-CLIP) or a geometry-free control of the same margin (issue 55; docs/objective.md
+  #   "Controls"): "constant" (γ·c on every negative: c = margin_value, or with margin_value = -1 the batch's mean
+  #   off-diagonal Ḡ), "shuffled" (each row's Ḡ values permuted among its negatives), "topk" (only each row's
+  #   margin_topk nearest captions by Ḡ get their margin).
+  # hn_nce_beta: > 0 turns the softmax loss into HN-NCE (Radenovic et al. 2023, Eq. 3): negatives re-weighted by
+  #   e^{β·logit}; run it with gamma = 0 to compare it with the margin.
   c.loss = ml_collections.ConfigDict({"kind": "softmax", "sigmoid_schedule": "ring",
                                       "gamma": 0.5, "negatives": "global_batch", "chunk_size": 0,
                                       "token_weight": 0.0, "token_layer": -1, "token_image_cls": False,
                                       "token_logit_scale": 0.0, "token_margin": False, "token_schedule": "gather",
-                                      "token_group": 0, "token_keep": 1.0})
+                                      "token_group": 0, "token_keep": 1.0, "margin": "geometry",
+                                      "margin_value": -1.0, "margin_topk": 0, "hn_nce_beta": 0.0})
   # train_logit_scale: learn CLIP's logit scale (its parameter is clamped to [0, ln 100] after every update; not for
   #   loss.kind="sigmoid") and, for the sigmoid loss, its logit bias b.
   c.optimizer = ml_collections.ConfigDict({
@@ -139,7 +146,10 @@ def base_config() -> ml_collections.ConfigDict:
       "manual_dir": "", "on_bad_example": "error",
       # Synthetic data only (captions: "dense" near-duplicate descriptions, "short" alt-text for pre-training, or
       # "detailed", dense captions in another grammar: the three-stage regime's intermediate domain):
-      "num_train": 4096, "num_test": 512, "group_size": 4, "image_size": 64, "seed": 0, "captions": "dense"})
+      "num_train": 4096, "num_test": 512, "group_size": 4, "image_size": 64, "seed": 0, "captions": "dense",
+      # batching: "random" (a seeded shuffle per epoch) or "clustered" (each batch an example and its nearest
+      # neighbours by the start model's caption embeddings: crowded batches; hnclip_jax/data/clustering.py).
+      "batching": "random"})
   # eval.py's benchmarks (`eval.py --benchmarks=all` or `=NAME,...`; docs/evaluation.md): NAME -> settings of
   # config.data for that benchmark (e.g. {"manual_dir": "docci"}; "name" defaults to NAME) plus "split" (default
   # "test"), in the order the config lists them. The rest of each benchmark's data config is the run's. data_root: the folder relative manual_dirs are
@@ -165,7 +175,7 @@ POSITIVE = ("batch_size", "grad_accum_steps", "total_steps", "log_every", "check
             "eval_batch_size", "data.num_train", "data.num_test", "data.group_size", "data.image_size",
             "optimizer.lr")
 NON_NEGATIVE = ("workers", "loss.chunk_size", "diagnostics.every", "optimizer.weight_decay", "optimizer.warmup_steps",
-                "loss.gamma", "loss.token_weight", "loss.token_logit_scale")  # + each framework's NON_NEGATIVE
+                "loss.gamma", "loss.token_weight", "loss.token_logit_scale", "loss.hn_nce_beta")  # + each framework's NON_NEGATIVE
 
 
 def flatten(cfg, prefix="") -> dict:
@@ -213,6 +223,37 @@ ADAPTER_SETTINGS = ("rank", "alpha", "dropout", "targets", "dora_detach_norm")  
 TOKEN_SETTINGS = ("token_layer", "token_image_cls", "token_logit_scale", "token_margin", "token_schedule",
                   "token_group", "token_keep")
 TOKEN_SCHEDULES = ("gather", "ring")
+# config.loss keys of the global term's margin controls and HN-NCE (terms.ContrastiveTerm reads them)
+GLOBAL_SETTINGS = ("margin", "margin_value", "margin_topk", "hn_nce_beta")
+MARGINS = ("geometry", "constant", "shuffled", "topk")
+
+
+def check_margin_settings(config) -> None:
+  """The global term's margin control and HN-NCE settings: a setting that would do nothing is refused by name."""
+  loss, defaults = config.loss, base_config().loss
+  if loss.margin not in MARGINS:
+    raise ValueError(f"config.loss.margin={loss.margin!r}; choose one of {list(MARGINS)}")
+  if loss.margin != defaults.margin and float(loss.gamma) == 0:
+    raise ValueError(f"config.loss.margin={loss.margin!r} set, but config.loss.gamma=0 adds no margin to shape. "
+                     "Set gamma > 0, or drop it")
+  if loss.margin_value != defaults.margin_value and loss.margin != "constant":
+    raise ValueError(f"config.loss.margin_value={loss.margin_value} set, but config.loss.margin={loss.margin!r}: it "
+                     "is the constant margin's value. Set margin='constant', or drop it")
+  if not (float(loss.margin_value) >= 0 or float(loss.margin_value) == -1):
+    raise ValueError(f"config.loss.margin_value={loss.margin_value}: give c >= 0, or -1 for the batch's mean "
+                     "off-diagonal caption similarity")
+  if loss.margin == "topk" and not int(loss.margin_topk) >= 1:
+    raise ValueError("config.loss.margin='topk' needs config.loss.margin_topk >= 1 (how many nearest captions per "
+                     "row keep their margin)")
+  if loss.margin_topk != defaults.margin_topk and loss.margin != "topk":
+    raise ValueError(f"config.loss.margin_topk={loss.margin_topk} set, but config.loss.margin={loss.margin!r}. Set "
+                     "margin='topk', or drop it")
+  if float(loss.hn_nce_beta) and loss.kind != "softmax":
+    raise ValueError(f"config.loss.hn_nce_beta={loss.hn_nce_beta} re-weights the softmax's negatives; "
+                     f"config.loss.kind={loss.kind!r} scores each pair on its own. Use kind='softmax', or drop it")
+  if loss.kind == "sigmoid" and loss.sigmoid_schedule == "ring" and loss.margin in ("shuffled", "topk"):
+    raise ValueError(f"config.loss.margin={loss.margin!r} needs each row's whole Ḡ, which the sigmoid loss's ring "
+                     "schedule never holds: set config.loss.sigmoid_schedule='gather'")
 
 
 def _normalised(v):
@@ -358,6 +399,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   framework_fields(config)  # config.framework and the frameworks' blocks too
   check_loss_kind(config)
   check_token_settings(config)
+  check_margin_settings(config)
   if config.on_nonfinite not in ("error", "skip"):
     raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; choose 'error' or 'skip'")
   if int(config.grad_accum_steps) == 1 and config.loss.negatives != base_config().loss.negatives:

@@ -35,9 +35,9 @@ def margin_stats(txt, mesh, axes=sharding.BATCH_AXES):
 
 
 def _pairs(objective: Objective):
-  """The run's objective and the same objective with its plain global term (γ = 0): "infonce" for the softmax
-  loss, "siglip" for the sigmoid loss."""
-  return (("hn", objective), (objective.plain_name, objective.replace(gamma=0.0)))
+  """The run's objective and the same objective with its plain global term (γ = 0, no HN-NCE weighting or margin
+  control): "infonce" for the softmax loss, "siglip" for the sigmoid loss."""
+  return (("hn", objective), (objective.plain_name, objective.plain()))
 
 
 def make_batch_diagnostics(graphdef, mesh, objective: Objective, accum_steps: int = 1,

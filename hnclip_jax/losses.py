@@ -10,6 +10,7 @@ near-equal similarities, and rounding it away is rounding the method away.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -40,16 +41,72 @@ def divisor_at_most(n: int, k: int) -> int:
   return k
 
 
-def margin_rows(txt_rows, txt_all, gamma, is_pos):
+def margin_rows(txt_rows, txt_all, gamma, is_pos, shape=None):
   """γ·Ḡ for a block of rows: [n, B], stop-gradient, zero at the positives. Ḡ is symmetric, so the same rows
-  serve image→text (row i of S + γḠ) and text→image (column i of it)."""
+  serve image→text (row i of S + γḠ) and text→image (column i of it). `shape`: a control in place of the geometry
+  (`MarginShape`: a constant, each row's values shuffled, only the top k), applied to Ḡ's rows."""
   g_rows = jax.lax.stop_gradient(sims(txt_rows.astype(F32), txt_all.astype(F32), "nd,bd->nb"))
-  return gamma * jnp.where(is_pos, 0.0, g_rows)
+  g_rows = jnp.where(is_pos, 0.0, g_rows)
+  return gamma * (g_rows if shape is None else shape(g_rows, is_pos))
+
+
+def mean_offdiagonal(sum_t, sum_sq, batch: int):
+  """The mean off-diagonal caption similarity of a batch, mean_{i≠j} t_i·t_j, from Σ_b t_b ([D]) and Σ_b |t_b|²
+  alone: (|Σ t|² − Σ |t|²) / (B (B − 1)); no [B, B] matrix."""
+  return (jnp.sum(sum_t * sum_t) - sum_sq) / (batch * (batch - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class MarginShape:
+  """A geometry-free control in place of Ḡ's off-diagonal values, row by row (the positive keeps 0):
+  "constant": every negative gets `value` (the batch's mean off-diagonal Ḡ, or a fixed number);
+  "shuffled": each row's off-diagonal values permuted among its negatives (same values, no geometry), by `key`
+  folded with the row's global index, so any layout draws the same permutation;
+  "topk": each row keeps its k largest off-diagonal values (its k nearest captions), the rest 0.
+  `row_offset`: the global index of the block's first row."""
+  kind: str
+  value: object = None
+  k: int = 0
+  key: object = None
+  row_offset: object = 0
+
+  def __call__(self, g_rows, is_pos):
+    if self.kind == "constant":
+      return jnp.where(is_pos, 0.0, jnp.broadcast_to(jnp.asarray(self.value, F32), g_rows.shape))
+    if self.kind == "topk":
+      kth = jax.lax.top_k(jnp.where(is_pos, -jnp.inf, g_rows), self.k)[0][:, -1:]
+      return jnp.where(~is_pos & (g_rows >= kth), g_rows, 0.0)
+    if self.kind == "shuffled":
+      n, b = g_rows.shape
+      pos = jnp.argmax(is_pos, axis=1)  # each row's positive column
+      slot = jnp.arange(b - 1)[None, :]
+      cols = slot + (slot >= pos[:, None])  # [n, B-1]: the negatives' columns, in order
+      vals = jnp.take_along_axis(g_rows, cols, axis=1)
+      keys = jax.vmap(lambda i: jax.random.fold_in(self.key, i))(self.row_offset + jnp.arange(n))
+      perm = jax.vmap(lambda k: jax.random.permutation(k, b - 1))(keys)
+      shuffled = jnp.take_along_axis(vals, perm, axis=1)
+      return jnp.zeros_like(g_rows).at[jnp.arange(n)[:, None], cols].set(shuffled)
+    raise ValueError(f"margin shape {self.kind!r}")
 
 
 def _cross_entropy(logits, is_pos):  # [n, B] fp32 logits, [n, B] bool -> [n] CE with the marked target
   pos = jnp.sum(jnp.where(is_pos, logits, 0.0), axis=1)
   return jax.nn.logsumexp(logits, axis=1) - pos
+
+
+def hn_nce(logits, is_pos, beta: float, alpha: float = 1.0, valid=None):
+  """HN-NCE (Radenovic et al., CVPR 2023, "Filtering, Distillation, and Hard Negatives for Vision-Language
+  Pre-Training", Eq. 3) per row: −log e^{l_ii} / (α e^{l_ii} + Σ_{j≠i} w_ij e^{l_ij}), with importance weights
+  w_ij = (N − 1) e^{β l_ij} / Σ_{k≠i} e^{β l_ik} over the row's N − 1 negatives (l = s·v·t, the logits; the
+  weights are part of the loss, not stop-gradient). β = 0 and α = 1 is InfoNCE. `valid`: [n, B] bool, columns that
+  take part (others: no one's negative). [n, B] fp32 logits -> [n]."""
+  neg = ~is_pos if valid is None else (~is_pos & valid)
+  count = jnp.sum(neg, axis=1, keepdims=True).astype(F32)
+  lse_beta = jax.nn.logsumexp(jnp.where(neg, beta * logits, -jnp.inf), axis=1, keepdims=True)
+  weighted = jnp.where(neg, logits + jnp.log(count) + beta * logits - lse_beta, -jnp.inf)
+  pos = jnp.sum(jnp.where(is_pos, logits, 0.0), axis=1)
+  terms = jnp.where(is_pos, math.log(alpha) + logits, weighted)
+  return jax.nn.logsumexp(terms, axis=1) - pos
 
 
 def positives(n, batch, row_offset):  # [n, B] bool: the global position of each row's positive
@@ -60,13 +117,16 @@ def has_margin(gamma) -> bool:
   return not (isinstance(gamma, (int, float)) and gamma == 0)
 
 
-def contrastive_rows(img_rows, txt_rows, img_all, txt_all, logit_scale, gamma, row_offset, valid_all=None):
+def contrastive_rows(img_rows, txt_rows, img_all, txt_all, logit_scale, gamma, row_offset, valid_all=None,
+                     shape=None, hn_nce_beta: float = 0.0):
   """Per-example losses of the global term for a block of rows of the global batch.
 
   img_rows, txt_rows: [n, D] rows `row_offset .. row_offset+n` of the batch.
   img_all, txt_all:   [B, D] the whole (global) batch.
   valid_all: optional [B] bool; pairs marked False are no one's negative (their columns are left out) and their own
   rows' losses are 0 (GOAL's segment term: examples without a segment).
+  shape: a control in place of Ḡ's geometry (`MarginShape`); hn_nce_beta: > 0 scores each row with HN-NCE
+  (`hn_nce`, α = 1) instead of the cross-entropy.
   Returns (i2t [n], t2i [n]) fp32 cross-entropies: row i of s·(S + γḠ) with
   target i (image→text) and column i of it (text→image). A Python γ = 0 is plain InfoNCE exactly.
   """
@@ -74,40 +134,47 @@ def contrastive_rows(img_rows, txt_rows, img_all, txt_all, logit_scale, gamma, r
   is_pos = positives(img_rows.shape[0], img_all.shape[0], row_offset)
   s_rows = sims(img_rows, txt_all, "nd,bd->nb")  # [n, B] rows of S
   s_cols = sims(txt_rows, img_all, "nd,bd->nb")  # [n, B] columns of S (S is not symmetric)
-  margin = margin_rows(txt_rows, txt_all, gamma, is_pos) if has_margin(gamma) else 0.0
+  margin = margin_rows(txt_rows, txt_all, gamma, is_pos, shape) if has_margin(gamma) else 0.0
   scale = logit_scale.astype(F32)
   l_rows, l_cols = scale * (s_rows + margin), scale * (s_cols + margin)
+  if hn_nce_beta:
+    valid = None if valid_all is None else jnp.broadcast_to(valid_all[None, :], is_pos.shape)
+    score = lambda logits: hn_nce(logits, is_pos, hn_nce_beta, valid=valid)  # noqa: E731
+  else:
+    score = lambda logits: _cross_entropy(logits, is_pos)  # noqa: E731
   if valid_all is None:
-    return _cross_entropy(l_rows, is_pos), _cross_entropy(l_cols, is_pos)
+    return score(l_rows), score(l_cols)
   keep = valid_all[None, :]
   mine = jax.lax.dynamic_slice_in_dim(valid_all, row_offset, img_rows.shape[0])
-  ce = lambda logits: jnp.where(mine, _cross_entropy(jnp.where(keep, logits, NEG), is_pos), 0.0)  # noqa: E731
+  ce = lambda logits: jnp.where(mine, score(jnp.where(keep, logits, NEG)), 0.0)  # noqa: E731
   return ce(l_rows), ce(l_cols)
 
 
 # The sigmoid loss (SigLIP, Zhai et al. 2023) with the margin: every image-caption pair is its own binary problem.
-def _sigmoid_block(img_rows, txt_cols, txt_rows, logit_scale, logit_bias, gamma, row_offset, col_offset):
+def _sigmoid_block(img_rows, txt_cols, txt_rows, logit_scale, logit_bias, gamma, row_offset, col_offset, shape=None):
   """[n, m] -log σ(y_ij·z_ij) of `n` image rows (global positions row_offset ..) against `m` captions (col_offset ..):
   z_ij = t·(S_ij + γ·Ḡ_ij) + b, y = +1 for the positive pair (i = j) and -1 otherwise; Ḡ_ij = stop_gradient(
   txt_i·txt_j), 0 at the positive (txt_rows: the rows' own captions)."""
   is_pos = (row_offset + jnp.arange(img_rows.shape[0]))[:, None] == (col_offset + jnp.arange(txt_cols.shape[0]))[None]
   s = sims(img_rows.astype(F32), txt_cols.astype(F32), "nd,md->nm")
   if has_margin(gamma):
-    s = s + margin_rows(txt_rows, txt_cols, gamma, is_pos)
+    s = s + margin_rows(txt_rows, txt_cols, gamma, is_pos, shape)
   z = logit_scale.astype(F32) * s + logit_bias.astype(F32)
   return -jax.nn.log_sigmoid(jnp.where(is_pos, z, -z))
 
 
-def sigmoid_rows(img_rows, txt_rows, txt_all, logit_scale, logit_bias, gamma, row_offset):
+def sigmoid_rows(img_rows, txt_rows, txt_all, logit_scale, logit_bias, gamma, row_offset, shape=None):
   """Per-example losses of HN-SigLIP for a block of image rows against every caption of the (global) batch:
   row i is Σ_j -log σ(y_ij·z_ij), z_ij = t·(S_ij + γ·Ḡ_ij) + b (see `_sigmoid_block`). The batch loss is their sum
   over the whole batch divided by B (big_vision's average: over images of the sum over captions). There is one
   direction only: the pairs are scored once, each as its own binary problem. A Python γ = 0 is the plain SigLIP
   loss exactly. img_rows, txt_rows: [n, D] rows `row_offset ..`; txt_all: [B, D]. Returns [n] fp32."""
-  return jnp.sum(_sigmoid_block(img_rows, txt_all, txt_rows, logit_scale, logit_bias, gamma, row_offset, 0), axis=1)
+  return jnp.sum(_sigmoid_block(img_rows, txt_all, txt_rows, logit_scale, logit_bias, gamma, row_offset, 0, shape),
+                 axis=1)
 
 
-def sigmoid_rows_ring(img_rows, txt_rows, logit_scale, logit_bias, gamma, row_offset, axes, num_devices: int):
+def sigmoid_rows_ring(img_rows, txt_rows, logit_scale, logit_bias, gamma, row_offset, axes, num_devices: int,
+                      shape=None):
   """`sigmoid_rows` on a mesh without gathering the captions (big_vision's chunked schedule): inside `shard_map`
   over the batch axes `axes`, each device scores its n images against the caption chunk at hand while sending that
   chunk on to the next device (`ppermute`); after num_devices - 1 hops every chunk has visited every device, and
@@ -122,7 +189,7 @@ def sigmoid_rows_ring(img_rows, txt_rows, logit_scale, logit_bias, gamma, row_of
     nxt = jax.lax.ppermute(chunk, axes, _ring(num_devices)) if k < num_devices - 1 else None
     owner = (me - k) % num_devices  # the device whose captions are at hand
     total = total + jnp.sum(_sigmoid_block(img_rows, chunk, txt_rows, logit_scale, logit_bias, gamma, row_offset,
-                                           owner * n), axis=1)
+                                           owner * n, shape), axis=1)
     chunk = nxt
   return total
 

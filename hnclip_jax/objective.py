@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from hnclip_jax import frameworks, sharding
-from hnclip_jax.config import TOKEN_SETTINGS
+from hnclip_jax.config import GLOBAL_SETTINGS, TOKEN_SETTINGS
 from hnclip_jax.frameworks.base import Context, Keyed
 from hnclip_jax.terms import TOKEN_OUTPUTS, ContrastiveTerm, TokenTerm
 
@@ -55,12 +55,17 @@ class Objective:
 
   @classmethod
   def of(cls, gamma: float = 0.5, kind: str = "softmax", token_weight: float = 0.0, chunk_size: int = 0,
-         sigmoid_schedule: str = "ring", global_weight: float = 1.0, terms: tuple = (), **token) -> "Objective":
-    """The core's terms from config.loss-style settings (the global term with weight `global_weight`, the token
-    term when token_weight > 0, with the token_* keywords), followed by `terms`."""
+         sigmoid_schedule: str = "ring", global_weight: float = 1.0, terms: tuple = (), margin: str = "geometry",
+         margin_value: float = -1.0, margin_topk: int = 0, hn_nce_beta: float = 0.0, shuffle_seed: int = 0,
+         **token) -> "Objective":
+    """The core's terms from config.loss-style settings (the global term with weight `global_weight` and its
+    margin control / HN-NCE settings, the token term when token_weight > 0, with the token_* keywords), followed by
+    `terms`."""
     if token and not token_weight > 0:
       raise ValueError(f"{sorted(token)} are settings of the token term, which is off (token_weight=0)")
-    core = (ContrastiveTerm(kind=kind, sigmoid_schedule=sigmoid_schedule, weight=float(global_weight)),)
+    core = (ContrastiveTerm(kind=kind, sigmoid_schedule=sigmoid_schedule, weight=float(global_weight),
+                            margin=str(margin), margin_value=float(margin_value), margin_topk=int(margin_topk),
+                            hn_nce_beta=float(hn_nce_beta), shuffle_seed=int(shuffle_seed)),)
     if token_weight > 0:
       core += (TokenTerm(weight=float(token_weight), **token),)
     return cls(gamma=float(gamma), terms=core + tuple(terms), chunk_size=int(chunk_size))
@@ -75,8 +80,11 @@ class Objective:
     token = {k: type(d)(loss_cfg[k]) for k, d in defaults.items()} if token_weight > 0 else {}
     kind = str(loss_cfg.get("kind", "softmax"))
     extra = {"sigmoid_schedule": str(loss_cfg.sigmoid_schedule)} if kind == "sigmoid" else {}
+    control = {k: loss_cfg[k] for k in GLOBAL_SETTINGS if k in loss_cfg}
+    if config is not None and control.get("margin") == "shuffled":
+      control["shuffle_seed"] = int(config.seed)
     obj = cls.of(gamma=float(loss_cfg.gamma), kind=kind, token_weight=token_weight,
-                 chunk_size=int(loss_cfg.chunk_size), **extra, **token)
+                 chunk_size=int(loss_cfg.chunk_size), **extra, **control, **token)
     if config is not None:
       obj = frameworks.objective_for(config, obj)
     return obj
@@ -107,6 +115,13 @@ class Objective:
   def global_term(self):
     """The first term: the global contrastive term (ContrastiveTerm unless a plug-in replaced it)."""
     return self.terms[0]
+
+  def plain(self) -> "Objective":
+    """This objective with its global term plain (γ = 0, and no HN-NCE weighting or margin control): the
+    telemetry's InfoNCE / SigLIP on the same batch."""
+    plain = getattr(self.global_term, "plain", None)
+    terms = self.terms if plain is None else (plain(),) + self.terms[1:]
+    return self.replace(gamma=0.0, terms=terms)
 
   @property
   def plain_name(self) -> str:

@@ -13,9 +13,15 @@ import jax
 import jax.numpy as jnp
 
 from hnclip_jax import losses
+from hnclip_jax.config import MARGINS
 from hnclip_jax.frameworks.base import Context, Term
 
 TOKEN_OUTPUTS = ("img_tokens", "txt_tokens", "txt_mask")
+
+
+def _at(shape, row_offset):
+  """A margin control for a block of rows starting at global row `row_offset`."""
+  return None if shape is None else dataclasses.replace(shape, row_offset=row_offset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +35,17 @@ class ContrastiveTerm(Term):
   # passed around the batch axes, no [B, D] gather) or "gather".
   sigmoid_schedule: str = "ring"
   weight: float = 1.0  # w_g (a framework may set it: FineLIP's global_weight)
+  # Controls in place of the margin's geometry (config.loss.margin; docs/objective.md "Controls"): "geometry"
+  # (γ·Ḡ), "constant" (γ·c on every negative: c = margin_value, or with margin_value < 0 the batch's mean
+  # off-diagonal Ḡ), "shuffled" (each row's off-diagonal Ḡ permuted among its negatives; drawn from shuffle_seed
+  # and the step), "topk" (only each row's margin_topk nearest captions by Ḡ keep their margin).
+  margin: str = "geometry"
+  margin_value: float = -1.0
+  margin_topk: int = 0
+  shuffle_seed: int = 0
+  # HN-NCE (Radenovic et al. 2023, Eq. 3; losses.hn_nce): β > 0 re-weights the negatives by e^{β·logit} instead of
+  # the plain cross-entropy (softmax only; 0 = off).
+  hn_nce_beta: float = 0.0
   names = ("hn",)
 
   @property
@@ -36,55 +53,96 @@ class ContrastiveTerm(Term):
     """What the term is without the margin (γ = 0), for telemetry: "infonce" or "siglip"."""
     return "siglip" if self.kind == "sigmoid" else "infonce"
 
+  def plain(self) -> "ContrastiveTerm":
+    """This term as plain InfoNCE / SigLIP (with γ = 0): no HN-NCE weighting, no margin control."""
+    return dataclasses.replace(self, margin="geometry", margin_value=-1.0, margin_topk=0, hn_nce_beta=0.0)
+
+  def schedule(self, step):
+    """The shuffled margin's key for this step (replicated; None for the other margins)."""
+    if self.margin != "shuffled":
+      return None
+    return jax.random.fold_in(jax.random.PRNGKey(self.shuffle_seed), 0 if step is None else step)
+
+  def _shape(self, out, ctx: Context, key):
+    """The margin control of this step (losses.MarginShape; None for the geometry)."""
+    if self.margin == "geometry" or not losses.has_margin(ctx.gamma):
+      return None
+    if self.margin == "constant":
+      if self.margin_value >= 0:
+        return losses.MarginShape("constant", value=self.margin_value)
+      txt = jax.lax.stop_gradient(out["txt"].astype(jnp.float32))
+      mean = losses.mean_offdiagonal(jax.lax.psum(jnp.sum(txt, axis=0), ctx.axes),
+                                     jax.lax.psum(jnp.sum(txt * txt), ctx.axes), ctx.batch)
+      return losses.MarginShape("constant", value=mean)
+    if self.margin == "topk":
+      if not 0 < self.margin_topk < ctx.batch:
+        raise ValueError(f"config.loss.margin_topk={self.margin_topk} must be in [1, {ctx.batch - 1}] (the negatives "
+                         f"of a batch of {ctx.batch})")
+      return losses.MarginShape("topk", k=self.margin_topk)
+    return losses.MarginShape("shuffled", key=key, row_offset=ctx.offset)
+
   def check(self, model_cfg, objective) -> None:
     del objective
+    if self.margin not in MARGINS:
+      raise ValueError(f"config.loss.margin={self.margin!r}; choose one of {list(MARGINS)}")
+    if self.kind == "sigmoid" and self.hn_nce_beta:
+      raise ValueError(f"config.loss.hn_nce_beta={self.hn_nce_beta} re-weights the softmax's negatives; the sigmoid "
+                       "loss scores each pair on its own. Use loss.kind='softmax', or drop it")
+    if self.kind == "sigmoid" and self.sigmoid_schedule == "ring" and self.margin in ("shuffled", "topk"):
+      raise ValueError(f"config.loss.margin={self.margin!r} needs each row's whole Ḡ, which the sigmoid loss's ring "
+                       "schedule never holds: set config.loss.sigmoid_schedule='gather'")
     if self.kind == "sigmoid" and not model_cfg.logit_bias:
       raise ValueError("config.loss.kind='sigmoid' needs the model's learned logit bias b (z = t·cos + b): start "
                        "from a SigLIP checkpoint or preset (they have one), or set config.model.logit_bias=True "
                        "(a fresh b starts at -10)")
 
   def __call__(self, out, ctx: Context, sched):
-    del sched
+    shape = self._shape(out, ctx, sched)
     if self.kind == "sigmoid":  # each pair its own binary problem; per example: its image's row sum
-      rows = self._sigmoid_rows(out, ctx)
+      rows = self._sigmoid_rows(out, ctx, shape)
       value = jax.lax.psum(jnp.sum(rows), ctx.axes) / ctx.batch
       per = self.weight * rows
     else:
-      i2t, t2i = self._softmax_rows(out["img"], out["txt"], ctx)
+      i2t, t2i = self._softmax_rows(out["img"], out["txt"], ctx, shape)
       value = jax.lax.psum(jnp.sum(i2t) + jnp.sum(t2i), ctx.axes) / (2 * ctx.batch)
       per = self.weight * 0.5 * (i2t + t2i)
     return [self.weight * value], {"hn": value}, [per]
 
-  def _sigmoid_rows(self, out, ctx: Context):
+  def _sigmoid_rows(self, out, ctx: Context, shape=None):
     """HN-SigLIP's per-example losses [n] for this device's images (their rows' sums over all captions)."""
     img, txt, scale, bias, gamma = out["img"], out["txt"], out["scale"], out["bias"], ctx.gamma
     n, chunk = img.shape[0], ctx.chunk_size
     if self.sigmoid_schedule == "ring":
-      return losses.sigmoid_rows_ring(img, txt, scale, bias, gamma, ctx.offset, ctx.axes, ctx.batch // n)
+      return losses.sigmoid_rows_ring(img, txt, scale, bias, gamma, ctx.offset, ctx.axes, ctx.batch // n, shape)
     if not chunk or chunk >= n:
-      return losses.sigmoid_rows(img, txt, ctx.txt_all, scale, bias, gamma, ctx.offset)
+      return losses.sigmoid_rows(img, txt, ctx.txt_all, scale, bias, gamma, ctx.offset, shape)
     if n % chunk:
       raise ValueError(f"config.loss.chunk_size={chunk} must divide the per-device batch {n}")
 
     @jax.checkpoint
     def block(k, img_c, txt_c):
-      return losses.sigmoid_rows(img_c, txt_c, ctx.txt_all, scale, bias, gamma, ctx.offset + k * chunk)
+      return losses.sigmoid_rows(img_c, txt_c, ctx.txt_all, scale, bias, gamma, ctx.offset + k * chunk,
+                                 _at(shape, ctx.offset + k * chunk))
 
     split = lambda x: x.reshape(n // chunk, chunk, x.shape[-1])  # noqa: E731
     _, rows = jax.lax.scan(lambda c, xs: (c, block(*xs)), None, (jnp.arange(n // chunk), split(img), split(txt)))
     return rows.reshape(n)
 
-  def _softmax_rows(self, img, txt, ctx: Context):
+  def _softmax_rows(self, img, txt, ctx: Context, shape=None):
     """L_HN's per-example (i2t [n], t2i [n]) for this device's rows, `chunk_size` rows at a time if set."""
     n, chunk, gamma, scale = img.shape[0], ctx.chunk_size, ctx.gamma, ctx.scale
+    beta = self.hn_nce_beta
     if not chunk or chunk >= n:
-      return losses.contrastive_rows(img, txt, ctx.img_all, ctx.txt_all, scale, gamma, ctx.offset)
+      return losses.contrastive_rows(img, txt, ctx.img_all, ctx.txt_all, scale, gamma, ctx.offset, shape=shape,
+                                     hn_nce_beta=beta)
     if n % chunk:
       raise ValueError(f"config.loss.chunk_size={chunk} must divide the per-device batch {n}")
 
     @jax.checkpoint
     def block(k, img_c, txt_c):
-      return losses.contrastive_rows(img_c, txt_c, ctx.img_all, ctx.txt_all, scale, gamma, ctx.offset + k * chunk)
+      at = ctx.offset + k * chunk
+      return losses.contrastive_rows(img_c, txt_c, ctx.img_all, ctx.txt_all, scale, gamma, at, shape=_at(shape, at),
+                                     hn_nce_beta=beta)
 
     split = lambda x: x.reshape(n // chunk, chunk, x.shape[-1])  # noqa: E731
     _, (i2t, t2i) = jax.lax.scan(lambda c, xs: (c, block(*xs)), None, (jnp.arange(n // chunk), split(img), split(txt)))

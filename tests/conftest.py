@@ -33,7 +33,7 @@ SPLIT = {"test_reliability", "test_multihost", "test_benchmarks", "test_compile_
          "test_buckets"}
 # The inner loop (`python -m pytest -m quick tests`, docs/testing.md): the loss, objective, sharding-equivalence,
 # config and data checks that most changes touch.
-QUICK = {"test_losses", "test_objective", "test_model", "test_data", "test_workdir", "test_retrieval",
+QUICK = {"test_losses", "test_objective", "test_controls", "test_model", "test_data", "test_workdir", "test_retrieval",
          "test_settings", "sharded_checks.core", "sharded_checks.token", "test_train_eval.config"}
 
 

@@ -407,7 +407,37 @@ def sigmoid():
                                        "collective_permutes": hlo.count("collective-permute")}
 
 
-SECTIONS = {"core": core, "token": token, "ring": ring, "adapters": adapters_, "finelip": finelip, "goal": goal,
+# The global term's controls (issue 55): each a setting of the term; HN-NCE with γ = 0 as its paper runs it.
+CONTROLS = {"constant_batch_mean": dict(margin="constant"), "constant_0.4": dict(margin="constant", margin_value=0.4),
+            "shuffled": dict(margin="shuffled", shuffle_seed=3), "topk_3": dict(margin="topk", margin_topk=3),
+            "hn_nce_0.5": dict(gamma=0.0, hn_nce_beta=0.5)}
+CONTROL_VARIANTS = [((2, 2, 2), {"accum": 2}), ((4, 1, 1), {"chunk": 1})]
+
+
+def controls():
+  """The margin controls (constant, shuffled, top-k) and HN-NCE: 4 devices on the batch axes with 1-row chunks and
+  (2, 2, 2) with global-batch accumulation equal one device; and each changes the loss. The sigmoid loss
+  with the constant margin (ring and gather) and the shuffled / top-k margins (gather)."""
+  out["controls"], out["controls_differ"] = {}, {}
+  plain = grads_on((1, 1, 1))
+  for name, kw in CONTROLS.items():
+    ref = grads_on((1, 1, 1), **kw)
+    out["controls_differ"][name] = abs(ref[0] - plain[0]) / plain[0]
+    for shape, v in CONTROL_VARIANTS:
+      loss, grads, _ = grads_on(shape, **v, **kw)
+      out["controls"][f"{name} {shape} {v}"] = rel(loss, grads, ref)
+  import dataclasses
+  model = init_params(dataclasses.replace(CFG, family="siglip", logit_bias=True, embed_dim=32, act="gelu_tanh"), 0)
+  for name, kw, schedules in (("sigmoid constant", dict(margin="constant"), ("ring", "gather")),
+                              ("sigmoid shuffled", dict(margin="shuffled"), ("gather",)),
+                              ("sigmoid topk_3", dict(margin="topk", margin_topk=3), ("gather",))):
+    ref = grads_on((1, 1, 1), model=model, kind="sigmoid", sigmoid_schedule="gather", **kw)
+    for schedule in schedules:
+      loss, grads, _ = grads_on((2, 2, 2), accum=2, model=model, kind="sigmoid", sigmoid_schedule=schedule, **kw)
+      out["controls"][f"{name} {schedule} (2, 2, 2) accum 2"] = rel(loss, grads, ref)
+
+
+SECTIONS = {"core": core, "controls": controls, "token": token, "ring": ring, "adapters": adapters_, "finelip": finelip, "goal": goal,
             "structxlip": structxlip, "memory": memory, "plugin": plugin, "sigmoid": sigmoid}
 
 if __name__ == "__main__":

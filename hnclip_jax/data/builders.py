@@ -10,7 +10,7 @@ import tensorflow_datasets as tfds
 from jax.experimental import multihost_utils
 
 from hnclip_jax import paths
-from hnclip_jax.data import manual, synthetic
+from hnclip_jax.data import clustering, manual, synthetic
 
 
 @dataclasses.dataclass
@@ -104,6 +104,8 @@ def check_data_config(data_config) -> None:
                        "read from a bucket. Copy the build to a local disk (gcloud storage cp -r "
                        f"{where} /data/tfds) and pass that directory, or mount the bucket with Cloud Storage FUSE "
                        "(docs/reliability.md \"Buckets\")")
+  if data_config.get("batching", "random") not in clustering.BATCHINGS:
+    raise ValueError(f"config.data.batching={data_config.batching!r}; choose one of {list(clustering.BATCHINGS)}")
   if data_config.on_bad_example not in ("error", "skip"):
     raise ValueError(f"config.data.on_bad_example={data_config.on_bad_example!r}; choose 'error' or 'skip'")
   captions = data_config.get("captions", "dense")

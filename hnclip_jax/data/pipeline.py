@@ -135,9 +135,19 @@ class _LoadRows(grain.transforms.MapWithIndex):
     return out
 
 
+class _PlannedBatch(grain.transforms.MapWithIndex):
+  """step -> that step's global batch of example indices, from a batch plan (data/clustering.py)."""
+
+  def __init__(self, plan):
+    self.plan = plan
+
+  def map_with_index(self, step, _):
+    return np.asarray(self.plan(step), np.int64)
+
+
 def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed: int, start_step: int = 0,
                   process_index: int = 0, process_count: int = 1, rows=None, workers: int = 0, prefetch: int = 4,
-                  extra_inputs=None, family: str = "clip"):
+                  extra_inputs=None, family: str = "clip", plan=None):
   """Infinite iterator of this process's batches: image f32 [b,H,W,3], tokens int32 [b,L]: the rows of each global
   batch that this process's devices hold (`rows`, from `sharding.process_rows`), or without `rows` the
   process_index-th of process_count equal contiguous parts (b = global_batch / processes).
@@ -150,7 +160,9 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
   `caption_choice(seed, k, index)` picks.
   extra_inputs: a framework's (example, caption, image uint8 [H, W, 3], seed, step, index) -> {name: array}, added
   to each row (hnclip_jax.frameworks: `inputs`); a pure function of its arguments keeps resumes bit-identical.
-  family: the model family whose image preprocessing applies ("clip" or "siglip": `clip_preprocess`).
+  family: the model family whose image preprocessing applies (`PREPROCESS`).
+  plan: step -> the global batch's example indices (`clustering.ClusteredBatches`, config.data.batching =
+  "clustered"), a pure function of the step like the random order; None: the seeded random order.
   """
   if len(source) < global_batch:
     raise ValueError(f"the training split has {len(source)} examples, fewer than one batch ({global_batch}); "
@@ -162,8 +174,11 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
     rows = slice(process_index * local, (process_index + 1) * local)
   else:
     rows = np.asarray(rows, np.int64)
-  ds = (grain.MapDataset.range(len(source)).shuffle(seed=seed).batch(global_batch, drop_remainder=True)
-        .repeat().map_with_index(_LoadRows(source, tokenizer, image_size, rows, seed, extra_inputs, family))[start_step:])
+  if plan is None:
+    indices = grain.MapDataset.range(len(source)).shuffle(seed=seed).batch(global_batch, drop_remainder=True).repeat()
+  else:
+    indices = grain.MapDataset.range(plan.per_epoch).repeat().map_with_index(_PlannedBatch(plan))
+  ds = indices.map_with_index(_LoadRows(source, tokenizer, image_size, rows, seed, extra_inputs, family))[start_step:]
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, prefetch), prefetch_buffer_size=prefetch))
   if workers > 0:
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))

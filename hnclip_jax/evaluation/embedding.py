@@ -71,6 +71,20 @@ def embed_split(params, encoders, source, tokenizer, model_cfg: CLIPConfig, mesh
   return img, txt, caption_image
 
 
+def embed_captions(params, encoders, captions: list, tokenizer, mesh, batch_size: int) -> np.ndarray:
+  """Each example's captions -> [N, E]: the L2-normalised mean of its captions' embeddings (one caption: its own),
+  NumPy on every process (the caption index of config.data.batching="clustered")."""
+  sharding.check_batch_size(batch_size, mesh, "config.eval_batch_size")
+  flat = [c for caps in captions for c in caps]
+  owner = np.repeat(np.arange(len(captions)), [len(c) for c in captions])
+  txt = _embed_rows(params, encoders.texts, pipeline.eval_text_batches(
+      flat, tokenizer, batch_size=batch_size, positions=sharding.process_rows(mesh, batch_size)), mesh, "tokens",
+      len(flat)).astype(np.float64)
+  mean = np.zeros((len(captions), txt.shape[1]))
+  np.add.at(mean, owner, txt)
+  return (mean / np.linalg.norm(mean, axis=1, keepdims=True)).astype(np.float32)
+
+
 def describe_counts(res) -> str:
   if res["num_images"] == res["num_captions"]:
     return f"{res['num_images']} pairs"
