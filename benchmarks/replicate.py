@@ -176,7 +176,10 @@ def saturation(w, g, plain, steps_per_epoch, batch) -> dict:
 CONTROLS = {"constant": ["--config.loss.gamma=0.5", "--config.loss.margin=constant"],
             "shuffled": ["--config.loss.gamma=0.5", "--config.loss.margin=shuffled"],
             "topk3": ["--config.loss.gamma=0.5", "--config.loss.margin=topk", "--config.loss.margin_topk=3"],
-            "hn_nce": ["--config.loss.gamma=0", "--config.loss.hn_nce_beta=0.5"]}
+            "hn_nce": ["--config.loss.gamma=0", "--config.loss.hn_nce_beta=0.5"],
+            # the margin in one of the softmax's two cross-entropies only (why it costs image→text R@1)
+            "i2t_only": ["--config.loss.gamma=0.5", "--config.loss.margin_directions=i2t"],
+            "t2i_only": ["--config.loss.gamma=0.5", "--config.loss.margin_directions=t2i"]}
 PER_SEED = ("examples_below_1e-3", "batch_loss_below_1e-3", "zero_embedding_gradient", "G_offdiag_mean")
 
 
@@ -227,7 +230,8 @@ def main():
   p.add_argument("--controls", default="",
                  help="comma-separated controls of the margin (issue 55; docs/objective.md \"Controls\"): constant "
                       "(γ 0.5 × the batch's mean Ḡ on every negative), shuffled (each row's Ḡ permuted among its "
-                      "negatives), topk3 (only each row's 3 nearest captions), hn_nce (HN-NCE, β 0.5, γ 0); every "
+                      "negatives), topk3 (only each row's 3 nearest captions), hn_nce (HN-NCE, β 0.5, γ 0), i2t_only / "
+                      "t2i_only (the margin in one cross-entropy); every "
                       "seed, paired with γ 0.5 and γ 0 (both must be in --gammas)")
   p.add_argument("--batching", default="random", choices=("random", "clustered"),
                  help="the fine-tuning runs' batches (config.data.batching): clustered = each batch an example and its "

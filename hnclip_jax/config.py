@@ -101,12 +101,15 @@ def base_config() -> ml_collections.ConfigDict:
   #   margin_topk nearest captions by Ḡ get their margin).
   # hn_nce_beta: > 0 turns the softmax loss into HN-NCE (Radenovic et al. 2023, Eq. 3): negatives re-weighted by
   #   e^{β·logit}; run it with gamma = 0 to compare it with the margin.
+  # margin_directions: which of the softmax's cross-entropies get the margin: "both" (the paper), "i2t" (image→text
+  #   rows only) or "t2i" (text→image columns only).
   c.loss = ml_collections.ConfigDict({"kind": "softmax", "sigmoid_schedule": "ring",
                                       "gamma": 0.5, "negatives": "global_batch", "chunk_size": 0,
                                       "token_weight": 0.0, "token_layer": -1, "token_image_cls": False,
                                       "token_logit_scale": 0.0, "token_margin": False, "token_schedule": "gather",
                                       "token_group": 0, "token_keep": 1.0, "margin": "geometry",
-                                      "margin_value": -1.0, "margin_topk": 0, "hn_nce_beta": 0.0})
+                                      "margin_value": -1.0, "margin_topk": 0, "hn_nce_beta": 0.0,
+                                      "margin_directions": "both"})
   # train_logit_scale: learn CLIP's logit scale (its parameter is clamped to [0, ln 100] after every update; not for
   #   loss.kind="sigmoid") and, for the sigmoid loss, its logit bias b.
   c.optimizer = ml_collections.ConfigDict({
@@ -224,8 +227,9 @@ TOKEN_SETTINGS = ("token_layer", "token_image_cls", "token_logit_scale", "token_
                   "token_group", "token_keep")
 TOKEN_SCHEDULES = ("gather", "ring")
 # config.loss keys of the global term's margin controls and HN-NCE (terms.ContrastiveTerm reads them)
-GLOBAL_SETTINGS = ("margin", "margin_value", "margin_topk", "hn_nce_beta")
+GLOBAL_SETTINGS = ("margin", "margin_value", "margin_topk", "hn_nce_beta", "margin_directions")
 MARGINS = ("geometry", "constant", "shuffled", "topk")
+DIRECTIONS = ("both", "i2t", "t2i")
 
 
 def check_margin_settings(config) -> None:
@@ -248,6 +252,12 @@ def check_margin_settings(config) -> None:
   if loss.margin_topk != defaults.margin_topk and loss.margin != "topk":
     raise ValueError(f"config.loss.margin_topk={loss.margin_topk} set, but config.loss.margin={loss.margin!r}. Set "
                      "margin='topk', or drop it")
+  if loss.margin_directions not in DIRECTIONS:
+    raise ValueError(f"config.loss.margin_directions={loss.margin_directions!r}; choose one of {list(DIRECTIONS)}")
+  if loss.margin_directions != defaults.margin_directions and (loss.kind != "softmax" or float(loss.gamma) == 0):
+    raise ValueError(f"config.loss.margin_directions={loss.margin_directions!r} set, but it chooses which of the "
+                     "softmax loss's two cross-entropies get the margin: it needs loss.kind='softmax' and gamma > 0. "
+                     "Drop it, or set those")
   if float(loss.hn_nce_beta) and loss.kind != "softmax":
     raise ValueError(f"config.loss.hn_nce_beta={loss.hn_nce_beta} re-weights the softmax's negatives; "
                      f"config.loss.kind={loss.kind!r} scores each pair on its own. Use kind='softmax', or drop it")

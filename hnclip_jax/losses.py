@@ -118,7 +118,7 @@ def has_margin(gamma) -> bool:
 
 
 def contrastive_rows(img_rows, txt_rows, img_all, txt_all, logit_scale, gamma, row_offset, valid_all=None,
-                     shape=None, hn_nce_beta: float = 0.0):
+                     shape=None, hn_nce_beta: float = 0.0, directions: str = "both"):
   """Per-example losses of the global term for a block of rows of the global batch.
 
   img_rows, txt_rows: [n, D] rows `row_offset .. row_offset+n` of the batch.
@@ -126,7 +126,8 @@ def contrastive_rows(img_rows, txt_rows, img_all, txt_all, logit_scale, gamma, r
   valid_all: optional [B] bool; pairs marked False are no one's negative (their columns are left out) and their own
   rows' losses are 0 (GOAL's segment term: examples without a segment).
   shape: a control in place of Ḡ's geometry (`MarginShape`); hn_nce_beta: > 0 scores each row with HN-NCE
-  (`hn_nce`, α = 1) instead of the cross-entropy.
+  (`hn_nce`, α = 1) instead of the cross-entropy; directions: which cross-entropies get the margin ("both", "i2t":
+  the rows only, "t2i": the columns only).
   Returns (i2t [n], t2i [n]) fp32 cross-entropies: row i of s·(S + γḠ) with
   target i (image→text) and column i of it (text→image). A Python γ = 0 is plain InfoNCE exactly.
   """
@@ -136,7 +137,8 @@ def contrastive_rows(img_rows, txt_rows, img_all, txt_all, logit_scale, gamma, r
   s_cols = sims(txt_rows, img_all, "nd,bd->nb")  # [n, B] columns of S (S is not symmetric)
   margin = margin_rows(txt_rows, txt_all, gamma, is_pos, shape) if has_margin(gamma) else 0.0
   scale = logit_scale.astype(F32)
-  l_rows, l_cols = scale * (s_rows + margin), scale * (s_cols + margin)
+  l_rows = scale * (s_rows + (margin if directions != "t2i" else 0.0))
+  l_cols = scale * (s_cols + (margin if directions != "i2t" else 0.0))
   if hn_nce_beta:
     valid = None if valid_all is None else jnp.broadcast_to(valid_all[None, :], is_pos.shape)
     score = lambda logits: hn_nce(logits, is_pos, hn_nce_beta, valid=valid)  # noqa: E731

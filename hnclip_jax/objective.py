@@ -57,7 +57,7 @@ class Objective:
   def of(cls, gamma: float = 0.5, kind: str = "softmax", token_weight: float = 0.0, chunk_size: int = 0,
          sigmoid_schedule: str = "ring", global_weight: float = 1.0, terms: tuple = (), margin: str = "geometry",
          margin_value: float = -1.0, margin_topk: int = 0, hn_nce_beta: float = 0.0, shuffle_seed: int = 0,
-         **token) -> "Objective":
+         margin_directions: str = "both", **token) -> "Objective":
     """The core's terms from config.loss-style settings (the global term with weight `global_weight` and its
     margin control / HN-NCE settings, the token term when token_weight > 0, with the token_* keywords), followed by
     `terms`."""
@@ -65,7 +65,8 @@ class Objective:
       raise ValueError(f"{sorted(token)} are settings of the token term, which is off (token_weight=0)")
     core = (ContrastiveTerm(kind=kind, sigmoid_schedule=sigmoid_schedule, weight=float(global_weight),
                             margin=str(margin), margin_value=float(margin_value), margin_topk=int(margin_topk),
-                            hn_nce_beta=float(hn_nce_beta), shuffle_seed=int(shuffle_seed)),)
+                            hn_nce_beta=float(hn_nce_beta), shuffle_seed=int(shuffle_seed),
+                            margin_directions=str(margin_directions)),)
     if token_weight > 0:
       core += (TokenTerm(weight=float(token_weight), **token),)
     return cls(gamma=float(gamma), terms=core + tuple(terms), chunk_size=int(chunk_size))

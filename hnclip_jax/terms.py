@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from hnclip_jax import losses
-from hnclip_jax.config import MARGINS
+from hnclip_jax.config import DIRECTIONS, MARGINS
 from hnclip_jax.frameworks.base import Context, Term
 
 TOKEN_OUTPUTS = ("img_tokens", "txt_tokens", "txt_mask")
@@ -46,6 +46,8 @@ class ContrastiveTerm(Term):
   # HN-NCE (Radenovic et al. 2023, Eq. 3; losses.hn_nce): β > 0 re-weights the negatives by e^{β·logit} instead of
   # the plain cross-entropy (softmax only; 0 = off).
   hn_nce_beta: float = 0.0
+  # Which of the softmax's two cross-entropies get the margin: "both" (the paper), "i2t" (rows) or "t2i" (columns).
+  margin_directions: str = "both"
   names = ("hn",)
 
   @property
@@ -55,7 +57,8 @@ class ContrastiveTerm(Term):
 
   def plain(self) -> "ContrastiveTerm":
     """This term as plain InfoNCE / SigLIP (with γ = 0): no HN-NCE weighting, no margin control."""
-    return dataclasses.replace(self, margin="geometry", margin_value=-1.0, margin_topk=0, hn_nce_beta=0.0)
+    return dataclasses.replace(self, margin="geometry", margin_value=-1.0, margin_topk=0, hn_nce_beta=0.0,
+                               margin_directions="both")
 
   def schedule(self, step):
     """The shuffled margin's key for this step (replicated; None for the other margins)."""
@@ -85,6 +88,11 @@ class ContrastiveTerm(Term):
     del objective
     if self.margin not in MARGINS:
       raise ValueError(f"config.loss.margin={self.margin!r}; choose one of {list(MARGINS)}")
+    if self.margin_directions not in DIRECTIONS:
+      raise ValueError(f"config.loss.margin_directions={self.margin_directions!r}; choose one of {list(DIRECTIONS)}")
+    if self.kind == "sigmoid" and self.margin_directions != "both":
+      raise ValueError(f"config.loss.margin_directions={self.margin_directions!r}: the sigmoid loss scores each pair "
+                       "once, in no direction; drop it")
     if self.kind == "sigmoid" and self.hn_nce_beta:
       raise ValueError(f"config.loss.hn_nce_beta={self.hn_nce_beta} re-weights the softmax's negatives; the sigmoid "
                        "loss scores each pair on its own. Use loss.kind='softmax', or drop it")
@@ -134,7 +142,7 @@ class ContrastiveTerm(Term):
     beta = self.hn_nce_beta
     if not chunk or chunk >= n:
       return losses.contrastive_rows(img, txt, ctx.img_all, ctx.txt_all, scale, gamma, ctx.offset, shape=shape,
-                                     hn_nce_beta=beta)
+                                     hn_nce_beta=beta, directions=self.margin_directions)
     if n % chunk:
       raise ValueError(f"config.loss.chunk_size={chunk} must divide the per-device batch {n}")
 
@@ -142,7 +150,7 @@ class ContrastiveTerm(Term):
     def block(k, img_c, txt_c):
       at = ctx.offset + k * chunk
       return losses.contrastive_rows(img_c, txt_c, ctx.img_all, ctx.txt_all, scale, gamma, at, shape=_at(shape, at),
-                                     hn_nce_beta=beta)
+                                     hn_nce_beta=beta, directions=self.margin_directions)
 
     split = lambda x: x.reshape(n // chunk, chunk, x.shape[-1])  # noqa: E731
     _, (i2t, t2i) = jax.lax.scan(lambda c, xs: (c, block(*xs)), None, (jnp.arange(n // chunk), split(img), split(txt)))

@@ -410,7 +410,7 @@ def sigmoid():
 # The global term's controls (issue 55): each a setting of the term; HN-NCE with γ = 0 as its paper runs it.
 CONTROLS = {"constant_batch_mean": dict(margin="constant"), "constant_0.4": dict(margin="constant", margin_value=0.4),
             "shuffled": dict(margin="shuffled", shuffle_seed=3), "topk_3": dict(margin="topk", margin_topk=3),
-            "hn_nce_0.5": dict(gamma=0.0, hn_nce_beta=0.5)}
+            "hn_nce_0.5": dict(gamma=0.0, hn_nce_beta=0.5), "t2i_only": dict(margin_directions="t2i")}
 CONTROL_VARIANTS = [((2, 2, 2), {"accum": 2}), ((4, 1, 1), {"chunk": 1})]
 
 

@@ -107,6 +107,25 @@ def test_shuffled_margin_permutes_each_rows_values_among_its_negatives():
   close(ours(v, t, margin="shuffled", shuffle_seed=7), np_margin_loss(v, t, S, 0.5 * M0))
 
 
+def test_margin_in_one_direction_only():
+  """margin_directions="i2t": the rows' cross-entropies (image→text) get γ·Ḡ, the columns' none; "t2i" the other
+  way round."""
+  v, t = _emb(5)
+  G = np_offdiag(t)
+  S_ = v.astype(np.float64) @ t.astype(np.float64).T
+  b = B
+
+  def ref(rows_margin, cols_margin):
+    lr, lc = _log_softmax(S * (S_ + rows_margin), 1), _log_softmax(S * (S_ + cols_margin.T), 0)
+    return 0.5 * (-np.mean(np.diag(lr)) - np.mean(np.diag(lc)))
+
+  zero = np.zeros((b, b))
+  assert abs(ours(v, t, margin_directions="i2t")[0] - ref(0.5 * G, zero)) < 2e-5 * ref(0.5 * G, zero)
+  assert abs(ours(v, t, margin_directions="t2i")[0] - ref(zero, 0.5 * G)) < 2e-5 * ref(zero, 0.5 * G)
+  both = ours(v, t)[0]
+  assert abs(both - ref(0.5 * G, 0.5 * G)) < 2e-5 * both
+
+
 def np_hn_nce(v, t, s, beta, alpha=1.0):
   """HN-NCE (Radenovic et al. 2023, Eq. 3) in float64, both directions averaged: row i of L = s·v tᵀ scores
   −L_ii + log(α e^{L_ii} + Σ_{j≠i} w_ij e^{L_ij}), w_ij = (B−1) e^{β L_ij} / Σ_{k≠i} e^{β L_ik}."""
@@ -166,6 +185,8 @@ def test_telemetry_compares_with_plain_infonce():
     ({"hn_nce_beta": 0.5, "kind": "sigmoid"}, "config.loss.hn_nce_beta=0.5 re-weights the softmax's negatives"),
     ({"margin": "shuffled", "kind": "sigmoid"}, "set config.loss.sigmoid_schedule='gather'"),
     ({"hn_nce_beta": -1.0}, "config.loss.hn_nce_beta=-1.0 must be >= 0"),
+    ({"margin_directions": "t2i", "gamma": 0.0}, "config.loss.margin_directions='t2i' set, but it chooses"),
+    ({"margin_directions": "up"}, "config.loss.margin_directions='up'; choose one of"),
 ])
 def test_control_settings_that_would_do_nothing_are_refused(changes, message):
   c = config_lib.base_config()

@@ -39,7 +39,7 @@ def test_margin_controls_and_hn_nce_every_layout_match_one_device():
   shuffled, top-k) and HN-NCE: 4 devices with 1-row chunks and (2, 2, 2) with global-batch accumulation give
   the one-device loss and gradients, and each changes the loss; so does the sigmoid form (ring and gather)."""
   checks = section("controls")
-  assert len(checks["controls"]) == 5 * 2 + 4
+  assert len(checks["controls"]) == 6 * 2 + 4
   for name, r in checks["controls"].items():
     assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (name, r)
   for name, d in checks["controls_differ"].items():
