@@ -302,3 +302,19 @@ def test_a_server_gone_mid_save_or_mid_restore_ends_the_run_in_seconds_and_loses
   finally:
     relay.stop()
     emu.stop()
+
+
+def test_clustered_batches_store_their_index_in_the_bucket_and_a_resume_reads_it(gcs, tfds_dir):
+  """config.data.batching=clustered with a gs:// workdir: the caption index and its record are bucket objects, and
+  a rerun on the bucket resumes from them (it would refuse without the index) with the metrics of the first run."""
+  args = ["--config.data.batching=clustered", "--config.total_steps=4", "--config.checkpoint_every=2"]
+  train(gcs, "gs://bkt/clustered", tfds_dir, *args)
+  names = gcs.objects("bkt", "clustered/batching/")
+  assert {"clustered/batching/caption_index.npy", "clustered/batching/caption_index.json"} <= set(names), names
+  meta = json.loads(gcs.read("bkt", "clustered/batching/caption_index.json"))
+  assert meta["examples"] == 128
+  first = bucket_rows(gcs, "clustered/metrics.jsonl")
+  again = train(gcs, "gs://bkt/clustered", tfds_dir, *args[:1], "--config.total_steps=6",
+                "--config.checkpoint_every=2")
+  assert "resumed from" in again.stdout and "clustered batches:" in again.stdout
+  assert bucket_rows(gcs, "clustered/metrics.jsonl")[:len(first)] == first
