@@ -1,7 +1,8 @@
-"""What JAX's own `jax_disable_most_optimizations` (XLA backend optimisation level 0, no expensive LLVM passes) does to
-the test suite's cost on CPU: compile time and step time of the tiny train step (configs/demo.py:test's model), and
-the compile time of a batch of small eager-style programs, each measured in a fresh process with an empty
-compilation cache, both settings side by side in one run (issue 52: the cold test run).
+"""What lower compiler optimisation does to the test suite's cost on CPU: JAX's own `jax_disable_most_optimizations`
+(XLA backend optimisation level 0, no expensive LLVM passes, fewer HLO passes) and XLA's backend (LLVM) optimisation
+level 0 alone (`XLA_FLAGS=--xla_backend_optimization_level=0`): compile time and step time of the tiny train step
+(configs/demo.py:test's model), and the compile time of a batch of small eager-style programs, each measured in a
+fresh process with an empty compilation cache, the settings side by side in one run (issue 52: the cold test run).
 
   python benchmarks/compile_opt_level.py [--reps 3]
 """
@@ -45,11 +46,14 @@ print("RESULT " + json.dumps({"setup_s": t1 - t0, "compile_s": t2 - t1, "step_ms
 """.replace("ROOT", repr(ROOT))
 
 
-def child(flag: bool) -> dict:
+SETTINGS = {"default": {}, "JAX_DISABLE_MOST_OPTIMIZATIONS=1": {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"},
+            "--xla_backend_optimization_level=0": {"XLA_FLAGS": "--xla_backend_optimization_level=0"}}
+
+
+def child(setting: str) -> dict:
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
-  if flag:
-    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+  env.update(SETTINGS[setting])
   out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True).stdout
   return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
 
@@ -58,19 +62,18 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--reps", type=int, default=3)
   a = ap.parse_args()
-  rows = {False: [], True: []}
+  rows = {s: [] for s in SETTINGS}
   for _ in range(a.reps):  # alternating
-    for flag in (False, True):
-      rows[flag].append(child(flag))
-  med = lambda flag, k: sorted(r[k] for r in rows[flag])[len(rows[flag]) // 2]
-  print("| setting | train-step compile (s) | step (ms) | 40 small programs (s) | loss after 11 steps |")
-  print("|---|---|---|---|---|")
-  for flag in (False, True):
-    print(f"| {'JAX_DISABLE_MOST_OPTIMIZATIONS=1' if flag else 'default'} | {med(flag, 'compile_s'):.2f} | "
-          f"{med(flag, 'step_ms'):.1f} | {med(flag, 'eager_s'):.2f} | {rows[flag][0]['loss']:.6f} |")
-  print(f"compile ratio (off/on): {med(True, 'compile_s') / med(False, 'compile_s'):.2f}; "
-        f"small programs: {med(True, 'eager_s') / med(False, 'eager_s'):.2f}; step: "
-        f"{med(True, 'step_ms') / med(False, 'step_ms'):.2f}")
+    for s in SETTINGS:
+      rows[s].append(child(s))
+  med = lambda s, k: sorted(r[k] for r in rows[s])[len(rows[s]) // 2]
+  print("| setting | train-step compile (s) | step (ms) | 40 small programs (s) | loss after 11 steps | "
+        "compile / default | small / default | step / default |")
+  print("|---|---|---|---|---|---|---|---|")
+  for s in SETTINGS:
+    print(f"| {s} | {med(s, 'compile_s'):.2f} | {med(s, 'step_ms'):.1f} | {med(s, 'eager_s'):.2f} | "
+          f"{rows[s][0]['loss']:.6f} | {med(s, 'compile_s') / med('default', 'compile_s'):.2f} | "
+          f"{med(s, 'eager_s') / med('default', 'eager_s'):.2f} | {med(s, 'step_ms') / med('default', 'step_ms'):.2f} |")
 
 
 if __name__ == "__main__":

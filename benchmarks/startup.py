@@ -20,9 +20,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(config, cache, workdir, data_dir):
   shutil.rmtree(workdir, ignore_errors=True)
   t = time.perf_counter()
+  # JAX's own cache variables would win over config.compilation_cache_dir (cli.enable_compilation_cache)
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
   subprocess.run([sys.executable, "train.py", "--config", config, "--workdir", workdir, "--config.total_steps=1",
                   f"--config.compilation_cache_dir={cache}", f"--config.data.data_dir={data_dir}"],
-                 cwd=ROOT, check=True, capture_output=True)
+                 cwd=ROOT, check=True, capture_output=True, env=env)
   return time.perf_counter() - t
 
 

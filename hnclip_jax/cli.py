@@ -118,11 +118,14 @@ def parse_flags(argv):
 
 def enable_compilation_cache(cache_dir: str) -> None:
   """Persistent XLA cache: repeated runs skip recompiling the same programs. Programs that compile in under 0.5 s are
-  not stored, unless JAX's own JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS is set (the test suite sets 0)."""
-  if cache_dir:
+  not stored, unless JAX's own JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS is set (the test suite sets 0). JAX's own
+  JAX_COMPILATION_CACHE_DIR, when set, wins over cache_dir (config.compilation_cache_dir): every process of a job
+  or a test run then shares one cache."""
+  from_env = bool(os.environ.get("JAX_COMPILATION_CACHE_DIR"))
+  if cache_dir and not from_env:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-      jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  if (cache_dir or from_env) and "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def maybe_initialize_distributed() -> None:

@@ -46,7 +46,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.max_to_keep = 3
   c.eval_batch_size = 256
   c.workers = 0  # grain worker processes (0: threads in the main process)
-  c.compilation_cache_dir = "~/.cache/hnclip_jax/xla"  # "" disables the persistent XLA cache
+  # the persistent XLA cache ("" disables it); JAX's own JAX_COMPILATION_CACHE_DIR, when set, wins
+  c.compilation_cache_dir = "~/.cache/hnclip_jax/xla"
   c.dtype = "float32"  # compute dtype of the towers ("bfloat16": bf16 matmuls; params, loss, softmax stay fp32)
   c.remat = "none"  # rematerialise transformer blocks: "none" | "full" | "dots"
   c.attention = "auto"  # "auto" | "einsum" | "xla" | "cudnn" (GPU, bf16): see models.clip.ATTENTION_IMPLS

@@ -13,13 +13,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.expanduser("~/.cache/hnclip_jax/xla-tests")
 sys.path.insert(0, ROOT)
 # Every program goes into the persistent cache, the eager operations' tiny ones too (each costs ~65 ms to compile on
-# 2 cores, hundreds per test module; JAX reads this at import, the processes the tests start inherit it, and
-# cli.enable_compilation_cache keeps it): a warm rerun reads them back instead (docs/testing.md).
+# 2 cores, hundreds per test module), and into one cache for every process of the run: the test processes, the
+# train.py / eval.py / tool processes they start and the mesh checks (JAX reads both variables at import, the
+# processes the tests start inherit them, and cli.enable_compilation_cache keeps them over
+# config.compilation_cache_dir), so a program compiled by one is read back by the others and by a warm rerun
+# (docs/testing.md).
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_COMPILATION_CACHE_DIR"] = CACHE
 
 import jax  # noqa: E402
-
-jax.config.update("jax_compilation_cache_dir", CACHE)
 
 
 # ---- scheduling (pyproject.toml: --dist loadgroup --no-loadscope-reorder) -------------------------------------------

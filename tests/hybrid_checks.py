@@ -14,9 +14,6 @@ import jax
 
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--"))
 jax.distributed.initialize(args["coordinator_address"], int(args["num_processes"]), int(args["process_id"]))
-if os.environ.get("HNCLIP_TEST_XLA_CACHE"):  # the test suite's persistent compilation cache (tests/conftest.py)
-  jax.config.update("jax_compilation_cache_dir", os.environ["HNCLIP_TEST_XLA_CACHE"])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 import dataclasses  # noqa: E402
 

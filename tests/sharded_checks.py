@@ -441,9 +441,6 @@ SECTIONS = {"core": core, "controls": controls, "token": token, "ring": ring, "a
             "structxlip": structxlip, "memory": memory, "plugin": plugin, "sigmoid": sigmoid}
 
 if __name__ == "__main__":
-  if os.environ.get("HNCLIP_TEST_XLA_CACHE"):  # the test suite's persistent compilation cache (tests/conftest.py)
-    jax.config.update("jax_compilation_cache_dir", os.environ["HNCLIP_TEST_XLA_CACHE"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   for name in sys.argv[1:] or SECTIONS:
     SECTIONS[name]()
   print("RESULT " + json.dumps(out))

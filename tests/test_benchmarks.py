@@ -6,14 +6,14 @@ import os
 import subprocess
 import sys
 
-from conftest import CACHE, ROOT, _env
+from conftest import ROOT, _env
 
-# The benchmarks time steps after compiling them: the suite's persistent XLA cache skips the compiles on reruns.
-CACHED = {"JAX_COMPILATION_CACHE_DIR": CACHE}  # every program, as conftest sets
+# The benchmarks time steps after compiling them: the suite's persistent XLA cache (JAX_COMPILATION_CACHE_DIR, set by
+# conftest and inherited through _env) skips the compiles on reruns.
 
 
 def test_accelerator_script_quick_mode(tmp_path):
-  env = _env(1, {"OUT": str(tmp_path), **CACHED})
+  env = _env(1, {"OUT": str(tmp_path)})
   proc = subprocess.run(["bash", "benchmarks/accelerator.sh", "--quick"], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -45,7 +45,7 @@ def test_accelerator_script_quick_mode(tmp_path):
 
 def test_accelerator_script_reports_stages_its_time_budget_left_out(tmp_path):
   # With the budget spent before the first stage, every stage is recorded as skipped and the script exits 1.
-  env = _env(1, {"OUT": str(tmp_path), "ACC_BUDGET_S": "1", **CACHED})
+  env = _env(1, {"OUT": str(tmp_path), "ACC_BUDGET_S": "1"})
   proc = subprocess.run(["bash", "benchmarks/accelerator.sh", "--quick"], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=300)
   assert proc.returncode == 1, proc.stdout[-2000:]
@@ -56,7 +56,7 @@ def test_accelerator_script_reports_stages_its_time_budget_left_out(tmp_path):
 def test_stop_check_benchmark_runs(tmp_path):
   out = tmp_path / "stop.json"
   proc = subprocess.run([sys.executable, "benchmarks/stop_check.py", "--steps", "20", "--reps", "1", "--json", str(out)],
-                        cwd=ROOT, env=_env(1, CACHED), capture_output=True, text=True, timeout=300)
+                        cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   ms = json.load(open(out))["ms_per_step"]
   assert sorted(ms) == ["allgather", "none", "sync_point"] and min(ms.values()) > 0
@@ -66,7 +66,7 @@ def test_layers_benchmark_runs(tmp_path):
   out = tmp_path / "layers.json"
   proc = subprocess.run([sys.executable, "benchmarks/layers.py", "--batch", "2", "--width", "16", "--heads", "2",
                          "--mlp", "32", "--reps", "1", "--no_torch", "--step_batch", "2", "--json", str(out)],
-                        cwd=ROOT, env=_env(1, CACHED), capture_output=True, text=True, timeout=300)
+                        cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = json.load(open(out))
   assert {r["what"] for r in rows} == {"attention", "attention scores, batched matmul (forward only)", "MLP",

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import CACHE, collect_processes, metrics_rows, run_processes, run_py, start_processes
+from conftest import collect_processes, metrics_rows, run_processes, run_py, start_processes
 
 COMMON = ["--config", "configs/demo.py:test", "--config.total_steps=3", "--config.log_every=1",
           "--config.eval_every=3", "--config.checkpoint_every=3", "--config.data.num_test=41"]
@@ -127,8 +127,7 @@ def test_hybrid_mesh_gradients_equal_one_device():
   processes; accumulation with row chunks; the token term under both schedules; HN-SigLIP under both schedules;
   FineLIP's terms; DoRA with the token term — loss and every parameter gradient equal one device's (≤ 1e-5)."""
   args = ["tests/hybrid_checks.py"]
-  outs = collect_processes(start_processes(args, num_processes=2, devices_per_process=4,
-                                           env_extra={"HNCLIP_TEST_XLA_CACHE": CACHE}), args)
+  outs = collect_processes(start_processes(args, num_processes=2, devices_per_process=4), args)
   result = json.loads(outs[0][0].split("RESULT ", 1)[1])
   assert len(result) == 11
   for name, r in result.items():

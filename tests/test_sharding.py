@@ -6,7 +6,7 @@ import ml_collections
 import pytest
 
 from hnclip_jax import config as config_lib, sharding
-from conftest import CACHE, run_py
+from conftest import run_py
 
 
 _RESULTS = {}
@@ -16,7 +16,7 @@ def section(name):
   """The measurements of one section of tests/sharded_checks.py (a fresh 8-device process, run once per test
   process). Each section's tests form one xdist group, so the sections spread over the suite's workers."""
   if name not in _RESULTS:
-    proc = run_py(["tests/sharded_checks.py", name], devices=8, timeout=1500, env_extra={"HNCLIP_TEST_XLA_CACHE": CACHE})
+    proc = run_py(["tests/sharded_checks.py", name], devices=8, timeout=1500)
     _RESULTS[name] = json.loads(proc.stdout.split("RESULT ", 1)[1])
   return _RESULTS[name]
 

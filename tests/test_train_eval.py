@@ -249,3 +249,30 @@ def test_incompatible_checkpoint_is_refused(trained, tfds_dir):
                    f"--config.data.data_dir={tfds_dir}"], check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "written for a different model" in proc.stderr and "text_width: checkpoint=32, config=64" in proc.stderr
+
+
+@CONFIG_CHECKS
+def test_jax_cache_variables_win_over_the_config(monkeypatch):
+  """JAX's own JAX_COMPILATION_CACHE_DIR / JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, when set, are kept over
+  config.compilation_cache_dir (one cache for every process of a job or a test run); unset, the config's directory
+  and a 0.5 s threshold apply."""
+  import jax
+  from hnclip_jax import cli
+  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+  saved = {k: getattr(jax.config, k) for k in keys}
+  try:
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/tmp/from-env")
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    jax.config.update("jax_compilation_cache_dir", "/tmp/from-env")
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cli.enable_compilation_cache("~/from-config")
+    assert (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs) == \
+        ("/tmp/from-env", 0.0)
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+    cli.enable_compilation_cache("~/from-config")
+    assert (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs) == \
+        (os.path.expanduser("~/from-config"), 0.5)
+  finally:
+    for k, v in saved.items():
+      jax.config.update(k, v)
