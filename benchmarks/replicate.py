@@ -39,6 +39,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from hnclip_jax import workdir  # noqa: E402  (the workdir layout)
+from hnclip_jax.config import base_config  # noqa: E402
 
 
 def config_of(variant):
@@ -52,6 +53,17 @@ def _diff_keys(old, new, prefix=""):
   if not isinstance(old, dict) or not isinstance(new, dict):
     return [prefix.rstrip(".") or "<all>"] if old != new else []
   return [k for key in set(old) | set(new) for k in _diff_keys(old.get(key), new.get(key), f"{prefix}{key}.")]
+
+
+def _with_new_defaults(old, new, default):
+  """`old` (a recorded config) with the keys it lacks and `new` has at the code's default value (`default`: the base
+  config) filled in from `new`: a setting added to the code since the record was written, left at its default, is
+  no difference between the two."""
+  if not isinstance(old, dict) or not isinstance(new, dict) or not isinstance(default, dict):
+    return old
+  filled = {k: _with_new_defaults(v, new.get(k), default.get(k)) for k, v in old.items()}
+  filled.update({k: v for k, v in new.items() if k not in old and k in default and default[k] == v})
+  return filled
 
 
 def python(args, log):
@@ -280,6 +292,10 @@ def main():
   if os.path.exists(setup_file):
     with open(setup_file) as f:
       before = json.load(f)
+    if isinstance(before.get("configs"), dict):  # settings added to the code since, at their defaults: no difference
+      default = json.loads(base_config().to_json_best_effort())
+      before["configs"] = {v: _with_new_defaults(c, setup["configs"].get(v), default)
+                           for v, c in before["configs"].items()}
     # --report_only trains nothing, so only the kind of run must match (older --out dirs have no "configs")
     keys = [k for k in setup if k != "configs"] if a.report_only else list(setup)
     differ = sorted(k for k in set(keys) | {k for k in before if k in keys or k in ("loss", "batching")}
