@@ -180,10 +180,10 @@ def test_two_processes_train_into_the_bucket_are_killed_and_resume_bit_identical
             cwd=ROOT, env=_env(1, gcs.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
       outs = [p.communicate(timeout=600) for p in procs]
       if fault:
-        assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
+        assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2, [(o[0][-1500:], o[1][-3000:]) for o in outs]
         names = gcs.objects("bkt", "two/")
         assert "two/checkpoints/2/commit_success.txt" in names and "two/.lease" in names  # left by the killed run
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
     assert "resumed from gs://bkt/two/checkpoints/2 (step 2)" in outs[0][0], outs[0][0][-2000:]
     watched, err = watcher.communicate(timeout=300)
     assert watcher.returncode == 0, err[-2000:]
