@@ -23,10 +23,21 @@ def _armed(event: str, step: int) -> bool:
 
 
 def maybe_kill(event: str, step: int, before=None) -> None:
-  """SIGKILL if EVENT@STEP is armed, after calling `before()` when given."""
+  """SIGKILL if EVENT@STEP is armed, after calling `before()` when given. In a multi-process run every process
+  first waits for the others to get here (a barrier), then the others die at once and process 0 a second later:
+  process 0 hosts JAX's coordination service, and its end makes every process still alive abort (SIGABRT) or fail
+  in whatever collective it is in, so killed together the processes raced, and which signal ended each depended on
+  the scheduler (docs/testing.md, "Known flaky")."""
   if _armed(event, step):
     if before is not None:
       before()
+    import jax
+    if jax.process_count() > 1:
+      import time
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"HNCLIP_FAULT {event}@{step}")
+      if jax.process_index() == 0:
+        time.sleep(1.0)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

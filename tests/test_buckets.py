@@ -180,7 +180,10 @@ def test_two_processes_train_into_the_bucket_are_killed_and_resume_bit_identical
             cwd=ROOT, env=_env(1, gcs.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
       outs = [p.communicate(timeout=600) for p in procs]
       if fault:
-        assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2, [(o[0][-1500:], o[1][-3000:]) for o in outs]
+        if [p.returncode for p in procs] != [-signal.SIGKILL] * 2:  # in full: pytest shortens assertion messages
+          for i, (out, err) in enumerate(outs):
+            print(f"---- process {i} (exit {procs[i].returncode}) stdout:\n{out[-3000:]}\n---- stderr:\n{err[-8000:]}")
+        assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
         names = gcs.objects("bkt", "two/")
         assert "two/checkpoints/2/commit_success.txt" in names and "two/.lease" in names  # left by the killed run
     assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]

@@ -107,8 +107,10 @@ def test_hybrid_mesh_trains_like_one_device_and_resumes_bit_identically(tmp_path
   killed = str(tmp_path / "killed")
   procs = start_processes(["train.py", *args, "--workdir", killed], num_processes=2, devices_per_process=4,
                           env_extra={"HNCLIP_FAULT": "kill_after_saves@3"})
-  for p in procs:
-    p.communicate(timeout=600)
+  outs = [p.communicate(timeout=600) for p in procs]
+  if [p.returncode for p in procs] != [-signal.SIGKILL] * 2:  # in full: pytest shortens assertion messages
+    for i, (out, err) in enumerate(outs):
+      print(f"---- process {i} (exit {procs[i].returncode}) stdout:\n{out[-3000:]}\n---- stderr:\n{err[-8000:]}")
   assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
   assert sorted(int(d) for d in os.listdir(os.path.join(killed, "checkpoints")) if d.isdigit())[-1] == 2
   outs = run_processes(["train.py", *args, "--workdir", killed], num_processes=2, devices_per_process=4)
