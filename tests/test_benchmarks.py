@@ -93,3 +93,32 @@ def test_host_allocator_benchmark_runs_each_allocator_in_its_own_process(tmp_pat
   assert rows["tcmalloc"]["library"] == (os.path.realpath(lib) if "tcmalloc" in lib else "system malloc")
   assert rows["system malloc"]["speedup_vs_system"] == 1.0
   assert all(r["step_s"] > 0 and r["page_faults_per_step"] >= 0 for r in rows.values())
+
+
+def test_compile_log_and_report_attribute_compiles_to_their_tests(tmp_path):
+  """benchmarks/compile_log on a process's PYTHONPATH logs each XLA compile with the test named by
+  PYTEST_CURRENT_TEST; benchmarks/compile_report.py sums them per test next to the JUnit durations."""
+  log = tmp_path / "log"
+  code = ("import jax, jax.numpy as jnp\n"
+          "f = jax.jit(lambda x: jnp.tanh(x) @ x.T)\n"
+          "f(jnp.ones((5, 3))); f(jnp.ones((6, 3)))\n")  # two shapes: two programs of one function
+  env = _env(1, {"HNCLIP_COMPILE_LOG": str(log), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+                 "PYTHONPATH": os.path.join(ROOT, "benchmarks", "compile_log") + os.pathsep + ROOT,
+                 "PYTEST_CURRENT_TEST": "tests/test_x.py::test_a@grp (call)"})
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  events = [json.loads(line) for f in log.iterdir() for line in open(f)]
+  mine = [e for e in events if e["event"] == "/jax/core/compile/backend_compile_duration" and e["fun"] == "jit(<lambda>)"]
+  assert len(mine) == 2 and all(e["test"].startswith("tests/test_x.py::test_a") and e["secs"] > 0 for e in mine)
+  junit = tmp_path / "j.xml"
+  junit.write_text('<testsuites><testsuite><testcase classname="tests.test_x" name="test_a@grp" time="12.5"/>'
+                   '<testcase classname="tests.test_x" name="test_b" time="1.0"/></testsuite></testsuites>')
+  report = subprocess.run([sys.executable, "benchmarks/compile_report.py", str(log), str(junit), "--functions",
+                           "test_a"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
+  row = next(line for line in report.splitlines() if line.startswith("| tests/test_x.py::test_a |"))
+  cells = [c.strip() for c in row.strip("|").split("|")]
+  compiled = sum(e["secs"] for e in events if e["event"] == "/jax/core/compile/backend_compile_duration")
+  assert cells[1] == "12.5" and abs(float(cells[2]) - compiled) <= 0.051 and int(cells[3]) == sum(
+      e["event"] == "/jax/core/compile/backend_compile_duration" for e in events), report
+  assert "| tests/test_x.py::test_b | 1.0 | 0.0 | 0 |" in report, report
+  assert any(line.split()[-1] == "jit(<lambda>)" and line.split()[2] == "2x" for line in report.splitlines()), report
