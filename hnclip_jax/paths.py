@@ -250,11 +250,16 @@ def isfile(path) -> bool:
 
 
 def listdir(path) -> list[str]:
-  """Names (not paths) in a directory; [] when it does not exist."""
+  """Names (not paths) in a directory; [] when it does not exist — also when it goes between the check and the
+  listing: on a bucket a prefix ends with its last object (another process's write probe, say), and gcsfs then
+  raises FileNotFoundError for the prefix itself."""
   p = _p(path)
   if not p.is_dir():
     return []
-  return sorted(c.name for c in p.iterdir())
+  try:
+    return sorted(c.name for c in p.iterdir())
+  except FileNotFoundError:
+    return []
 
 
 def makedirs(path) -> None:

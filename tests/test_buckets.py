@@ -154,6 +154,36 @@ def test_the_bucket_lease_refuses_a_second_run_and_frees_a_dead_ones(gcs, tfds_d
   assert len(losses) == 2 and np.isfinite(losses).all()
 
 
+_PROBE_RACE = """
+import sys
+from hnclip_jax import paths, storage
+errors = []
+for _ in range(100):
+  try:
+    if sys.argv[1] == "probe":
+      storage.check_writable("gs://bkt/race/checkpoints", "the checkpoint directory")
+    else:
+      names = paths.listdir("gs://bkt/race/checkpoints")
+      assert all(n.startswith(".write-probe-") for n in names), names
+  except Exception as e:
+    errors.append(f"{type(e).__name__}: {e}")
+print(len(errors), errors[:1])
+"""
+
+
+def test_listing_a_prefix_whose_last_object_goes_meanwhile_is_empty_not_an_error(gcs):
+  """Two processes of one run start on one bucket workdir: process 0 writes and removes its write probe under
+  checkpoints/ while process 1 lists checkpoints/ (experiment.resolve_data on a fresh workdir). On a bucket the prefix
+  exists only while the probe does; a listing that found it and then lost it raised gcsfs' FileNotFoundError
+  ('b/bkt/o/race%2Fcheckpoints': 63 of 200 listings here) and process 1 ended before joining the job — the
+  two-process test's rare failure (process 0 then aborted waiting for it). paths.listdir reads it as empty."""
+  procs = [subprocess.Popen([sys.executable, "-c", _PROBE_RACE, role], cwd=ROOT, env=_env(1, gcs.env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for role in ("probe", "list")]
+  outs = [p.communicate(timeout=300) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs
+  assert [out.split(" ", 1)[0] for out, _ in outs] == ["0", "0"], outs
+
+
 def test_two_processes_train_into_the_bucket_are_killed_and_resume_bit_identically(gcs, tfds_dir, tmp_path):
   """2 processes × 4 CPU devices write one workdir on the emulator (each its own checkpoint shards; process 1 talks
   to it through a relay that records its requests); both are SIGKILLed once checkpoints 1 and 2 landed, and a plain
