@@ -29,6 +29,21 @@ TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [TEST_XLA_FLAGS, os.environ.get("XLA_FLAGS", "")]))
 
 import jax  # noqa: E402
+from jax._src import cache_key as _jax_cache_key  # noqa: E402
+
+SITE = os.path.join(ROOT, "tests", "site")  # the sitecustomize of the processes the tests start (_env)
+
+
+def _load_site():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("hnclip_tests_site", os.path.join(SITE, "sitecustomize.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+# This process's JAX is imported already: its cache key function is replaced here (tests/site/sitecustomize.py).
+_load_site().same_cache_key_on_every_process(_jax_cache_key)
 
 
 # ---- scheduling (pyproject.toml: --dist loadgroup --no-loadscope-reorder) -------------------------------------------
@@ -87,7 +102,7 @@ def _env(devices, env_extra=None):
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  env["PYTHONPATH"] = os.pathsep.join([ROOT, SITE, env.get("PYTHONPATH", "")])
   env.update(env_extra or {})
   return env
 
@@ -98,9 +113,14 @@ def start_processes(args, *, num_processes: int, devices_per_process: int, env_e
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
+  # Process 0 compiles each program of the job and hands it to the others through JAX's coordination service
+  # (instead of every process compiling it): possible on CPU once every process computes the same cache key
+  # (tests/site/sitecustomize.py; without it the others waited forever for a key process 0 never wrote).
+  share = {"JAX_SHARE_BINARY_BETWEEN_HOSTS": "true"}
   return [subprocess.Popen([sys.executable, *args, f"--coordinator_address=127.0.0.1:{port}",
                             f"--num_processes={num_processes}", f"--process_id={i}"],
-                           cwd=ROOT, env=_env(devices_per_process, {**(env_extra or {}), **(env_of or {}).get(i, {})}),
+                           cwd=ROOT, env=_env(devices_per_process, {**share, **(env_extra or {}),
+                                                                    **(env_of or {}).get(i, {})}),
                            stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True) for i in range(num_processes)]
 

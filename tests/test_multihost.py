@@ -4,6 +4,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 
 from conftest import collect_processes, metrics_rows, run_processes, run_py, start_processes
@@ -134,3 +135,22 @@ def test_hybrid_mesh_gradients_equal_one_device():
   assert len(result) == 11
   for name, r in result.items():
     assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (name, r)
+
+
+def test_every_process_reads_the_compilation_cache(tmp_path):
+  """The suite's multi-process jobs share one persistent compilation cache: on a rerun every process reads the
+  program process 0 wrote (tests/site/sitecustomize.py makes the CPU cache key the same on every process; JAX's own
+  key hashes a CPU topology fingerprint that differs between the processes, so process 1 never hit)."""
+  env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
+  runs = []
+  for _ in range(2):
+    outs = collect_processes(start_processes(["tests/cache_key_check.py"], num_processes=2, devices_per_process=2,
+                                             env_extra=env), ["tests/cache_key_check.py"])
+    runs.append([json.loads(out.split("RESULT ", 1)[1]) for out, _ in outs])
+  first, second = runs
+  assert [r["hits"] for r in first] == [0, 0] and all(r["hits"] > 0 for r in second), runs
+  assert second[0]["hits"] == second[1]["hits"], runs
+  assert first[0]["sum"] == first[1]["sum"] == second[1]["sum"] == pytest.approx(64 * float(np.tanh(1.0))), runs
+  # Why the hook exists: if JAX's own CPU fingerprints agree some day, tests/site can go.
+  assert first[0]["fingerprint"] != first[1]["fingerprint"], "JAX's CPU cache key now agrees across processes"
+
