@@ -34,7 +34,8 @@ stage() {  # stage NAME OUTFILE CMD...: runs CMD, tees it to OUTFILE, records rc
 if [[ "${1:-}" == "--quick" ]]; then
   steps=(--models tiny --batch tiny=16 --reps 2); mem=(--memory_only tiny --batch tiny=16)
   retr=(--sizes 2000 --methods hnclip --argsort_max 0); loss=(--batches 512,1024 --chunk 64 --dim 64 --devices 2)
-  tok=(--models tiny --batch tiny=16 --reps 2); fw=(--models tiny --batch tiny=16 --reps 2)
+  # one framework next to the reference (StructXLIP: the only one whose batch differs, 5 images per example)
+  tok=(--models tiny --batch tiny=16 --reps 2); fw=(--models tiny --batch tiny=16 --reps 2 --frameworks structxlip)
 else
   steps=(--models tiny,vit_b16 --batch tiny=1024,vit_b16=256 --reps 10 --peak_n 8192); mem=(--memory_only vit_l14 --batch vit_l14=256)
   retr=(--sizes 100000,1000000 --methods hnclip --argsort_max 0)

@@ -349,8 +349,13 @@ def main():
     ft_lr = 2e-4
   # the parameter-gradient telemetry (an extra backward pass): under three_stage 4 times an epoch, for Fig. 4
   diag_every = 2 if a.quick else 8 if a.regime == "three_stage" else 25
+  # Saturation telemetry (config.diagnostics) only in the runs whose telemetry results.json reports (γ, frozen scale,
+  # controls); the others (pre-training, token term, adapters, frameworks, 20 %) are compared on recall alone, so
+  # they neither compile nor run the telemetry's extra forward and backward passes.
+  telemetry = [f"--config.diagnostics.every={diag_every}", "--config.diagnostics.log=True"]
+  no_telemetry = ["--config.diagnostics.every=0", "--config.diagnostics.log=False"]
   ft_args = [f"--config.optimizer.lr={ft_lr}", "--config.optimizer.warmup_steps=0", f"--config.total_steps={ft_steps}",
-             f"--config.init_from={start}", f"--config.diagnostics.every={diag_every}"]
+             f"--config.init_from={start}"]
   runs = {(g, s): os.path.join(out, f"ft_gamma{g}_seed{s}") for g in gammas for s in seeds}
   token_weights = [float(x) for x in a.token_weights.split(",") if x]
   tok_runs = {(lam, g, s): os.path.join(out, f"ft_tok{lam}_gamma{g}_seed{s}")
@@ -385,10 +390,10 @@ def main():
   if not a.report_only:
     if not os.path.exists(os.path.join(pre, workdir.MODEL_JSON)) or not rows(pre)[-1:] or \
         rows(pre)[-1]["step"] < pre_steps:
-      run(["--config", pre_variant, *shared, "--workdir", pre, "--config.loss.gamma=0",
+      run(["--config", pre_variant, *shared, *no_telemetry, "--workdir", pre, "--config.loss.gamma=0",
            f"--config.total_steps={pre_steps}", f"--config.eval_every={pre_steps}"], os.path.join(out, "pretrain.log"))
     if mid and not (os.path.exists(os.path.join(mid, workdir.MODEL_JSON)) and finished(mid, mid_steps)):
-      run(["--config", mid_variant, *shared, "--workdir", mid, f"--config.init_from={pre}"],
+      run(["--config", mid_variant, *shared, *no_telemetry, "--workdir", mid, f"--config.init_from={pre}"],
           os.path.join(out, "longclip.log"))
     if mid and not os.path.exists(start_recall):
       # the start's recall on the target's test set (eval.py with the fine-tuning config's data)
@@ -403,43 +408,44 @@ def main():
     for (g, s), w in runs.items():
       if finished(w, ft_steps):
         continue
-      run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}"], w + ".log")
+      run([*common, *ft_args, *telemetry, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}"], w + ".log")
     for (lam, g, s), w in tok_runs.items():
       if finished(w, ft_steps):
         continue
-      run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
+      run([*common, *ft_args, *no_telemetry, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
            f"--config.loss.token_weight={lam}"], w + ".log")
     for (c, s), w in cost_runs.items():
       if finished(w, ft_steps):
         continue
-      run([*common, *ft_args, "--workdir", w, "--config.loss.gamma=0.5", f"--config.seed={s}",
+      run([*common, *ft_args, *no_telemetry, "--workdir", w, "--config.loss.gamma=0.5", f"--config.seed={s}",
            "--config.loss.token_weight=1.0", *cost[c]], w + ".log")
     for (m, g, s), w in peft_runs.items():
       if finished(w, ft_steps):
         continue
       detach = ["--config.finetune.dora_detach_norm=True"] if m == "dora_detached" else []
-      run([*common, *ft_args, f"--config.optimizer.lr={25 * ft_lr:g}", "--workdir", w, f"--config.loss.gamma={g}",
+      run([*common, *ft_args, *no_telemetry, f"--config.optimizer.lr={25 * ft_lr:g}", "--workdir", w,
+           f"--config.loss.gamma={g}",
            f"--config.seed={s}", f"--config.finetune.method={m.removesuffix('_detached')}", *detach,
            "--config.finetune.rank=16", "--config.finetune.alpha=16"], w + ".log")
     for (g, s), w in scale_runs.items():
       if finished(w, ft_steps):
         continue
-      run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
+      run([*common, *ft_args, *telemetry, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
            "--config.optimizer.train_logit_scale=False"], w + ".log")
     for (f, g, s), w in fw_runs.items():
       if finished(w, ft_steps):
         continue
       name, _, setting = f.partition(":")  # NAME or NAME:KEY=VALUE (one of the framework's own settings)
       fw_args = ["--config.optimizer.lr_multipliers=((r'^(image|text)_aggregator/', 10.0),)"] if name == "finelip" else []
-      run([*common, *ft_args, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
+      run([*common, *ft_args, *no_telemetry, "--workdir", w, f"--config.loss.gamma={g}", f"--config.seed={s}",
            f"--config.framework={name}", *fw_args, *([f"--config.{name}.{setting}"] if setting else [])], w + ".log")
     for (c, s), w in ctl_runs.items():
       if finished(w, ft_steps):
         continue
-      run([*common, *ft_args, "--workdir", w, f"--config.seed={s}", *CONTROLS[c]], w + ".log")
+      run([*common, *ft_args, *telemetry, "--workdir", w, f"--config.seed={s}", *CONTROLS[c]], w + ".log")
     for s, w in smalls.items():
       if not finished(w, ft_steps):
-        run([*common, *ft_args, "--workdir", w, "--config.loss.gamma=0.5", f"--config.seed={s}",
+        run([*common, *ft_args, *no_telemetry, "--workdir", w, "--config.loss.gamma=0.5", f"--config.seed={s}",
              f"--config.data.num_train={num_train // 5}"], w + ".log")
     for g in (0.0, 0.5):
       if (g, seeds[0]) in runs:

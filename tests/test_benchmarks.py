@@ -28,6 +28,8 @@ def test_accelerator_script_quick_mode(tmp_path):
   assert retr[0]["method"] == "hnclip" and retr[0]["n"] == 2000
   loss = json.load(open(tmp_path / "loss_memory.json"))
   assert [r["global_batch"] for r in loss] == [512, 1024]
+  fw = json.load(open(tmp_path / "frameworks.json"))["rows"]
+  assert [r["framework"] for r in fw] == ["longclip", "structxlip"] and fw[1]["matmul FLOPs vs HN-CLIP"] > 1, fw
   tok = json.load(open(tmp_path / "token_term.json"))[0]
   assert tok["model"] == "tiny" and tok["batch"] == 16 and tok["step_s_hn"] > 0 and tok["step_s_hn+tok"] > 0
   for name in ("memory.json", "devices.txt"):
