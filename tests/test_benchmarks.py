@@ -104,9 +104,12 @@ def test_compile_log_and_report_attribute_compiles_to_their_tests(tmp_path):
   code = ("import jax, jax.numpy as jnp\n"
           "f = jax.jit(lambda x: jnp.tanh(x) @ x.T)\n"
           "f(jnp.ones((5, 3))); f(jnp.ones((6, 3)))\n")  # two shapes: two programs of one function
+  # As docs/testing.md runs it: compile_log on the PYTHONPATH, behind the tests' own sitecustomize (conftest._env puts
+  # tests/site first), which runs the next one on the path.
   env = _env(1, {"HNCLIP_COMPILE_LOG": str(log), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
-                 "PYTHONPATH": os.path.join(ROOT, "benchmarks", "compile_log") + os.pathsep + ROOT,
                  "PYTEST_CURRENT_TEST": "tests/test_x.py::test_a@grp (call)"})
+  env["PYTHONPATH"] += os.pathsep + os.path.join(ROOT, "benchmarks", "compile_log")
+  assert env["PYTHONPATH"].split(os.pathsep)[1] == os.path.join(ROOT, "tests", "site"), env["PYTHONPATH"]
   proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   events = [json.loads(line) for f in log.iterdir() for line in open(f)]

@@ -9,8 +9,9 @@ writes cache entries, so every other process missed them and compiled every prog
 cold. On CPU the key here hashes the global devices instead (platform, kind, id, process); TPU and GPU keys, and
 users' runs, are untouched. Nothing of JAX is imported here: the key function is replaced when JAX imports it.
 
-With HNCLIP_COMPILE_LOG set, also loads benchmarks/compile_log/sitecustomize.py (only one sitecustomize module is
-imported per process, and this one comes first on the path).
+Python imports one `sitecustomize` per process, the first on the path, and this directory comes first: after its own
+work this one runs the next `sitecustomize.py` on the path (benchmarks/compile_log's when that is on PYTHONPATH, or
+the interpreter's own), so nothing a process would have loaded is left out.
 """
 import importlib.abc
 import importlib.machinery
@@ -54,10 +55,17 @@ class _Finder(importlib.abc.MetaPathFinder):
     return spec
 
 
+def _run_next_sitecustomize() -> None:
+  here = os.path.dirname(os.path.abspath(__file__))
+  for entry in sys.path:
+    directory = os.path.abspath(entry or os.getcwd())
+    path = os.path.join(directory, "sitecustomize.py")
+    if directory != here and os.path.isfile(path):
+      spec = importlib.util.spec_from_file_location("_next_sitecustomize", path)
+      spec.loader.exec_module(importlib.util.module_from_spec(spec))
+      return
+
+
 if __name__ == "sitecustomize":  # imported by Python at start-up (conftest loads it under another name)
   sys.meta_path.insert(0, _Finder())
-  if os.environ.get("HNCLIP_COMPILE_LOG"):
-    _path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
-                         "compile_log", "sitecustomize.py")
-    _spec = importlib.util.spec_from_file_location("hnclip_compile_log", _path)
-    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+  _run_next_sitecustomize()
