@@ -1,8 +1,10 @@
 """What lower compiler optimisation does to the test suite's cost on CPU: JAX's own `jax_disable_most_optimizations`
-(XLA backend optimisation level 0, no expensive LLVM passes, fewer HLO passes) and XLA's backend (LLVM) optimisation
-level 0 alone (`XLA_FLAGS=--xla_backend_optimization_level=0`): compile time and step time of the tiny train step
-(configs/demo.py:test's model), and the compile time of a batch of small eager-style programs, each measured in a
-fresh process with an empty compilation cache, the settings side by side in one run (issue 52: the cold test run).
+(XLA backend optimisation level 0, no expensive LLVM passes, fewer HLO passes), XLA's backend (LLVM) optimisation
+level 0 alone (`XLA_FLAGS=--xla_backend_optimization_level=0`), XLA's classic CPU emitters instead of its fusion
+emitters (`--xla_cpu_use_fusion_emitters=false`), and both together (what the tests use): compile time and step time
+of the tiny train step (configs/demo.py:test's model), and the compile time of a batch of small eager-style programs,
+each measured in a fresh process with an empty compilation cache, the settings side by side in one run (issue 52:
+the cold test run).
 
   python benchmarks/compile_opt_level.py [--reps 3]
 """
@@ -47,7 +49,11 @@ print("RESULT " + json.dumps({"setup_s": t1 - t0, "compile_s": t2 - t1, "step_ms
 
 
 SETTINGS = {"default": {}, "JAX_DISABLE_MOST_OPTIMIZATIONS=1": {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"},
-            "--xla_backend_optimization_level=0": {"XLA_FLAGS": "--xla_backend_optimization_level=0"}}
+            "--xla_backend_optimization_level=0": {"XLA_FLAGS": "--xla_backend_optimization_level=0"},
+            "--xla_cpu_use_fusion_emitters=false": {"XLA_FLAGS": "--xla_cpu_use_fusion_emitters=false"},
+            # the test suite's setting (tests/conftest.py TEST_XLA_FLAGS)
+            "level 0 + classic emitters": {"XLA_FLAGS": "--xla_backend_optimization_level=0 "
+                                                        "--xla_cpu_use_fusion_emitters=false"}}
 
 
 def child(setting: str) -> dict:

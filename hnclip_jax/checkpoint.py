@@ -116,11 +116,17 @@ def _leaf_stats(leaves):
   return out
 
 
-def _leaf_fingerprints(tree) -> tuple[list[str], np.ndarray]:
-  """-> (leaf paths, [n, 3] float64 stats of `_leaf_stats`)."""
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  stats = np.asarray(jax.device_get(_leaf_stats([x for _, x in flat])), np.float64).reshape(len(flat), 3)
-  return [_path(p) for p, _ in flat], stats
+def _leaf_fingerprints(state: dict) -> dict:
+  """{top-level key: (leaf paths, [n, 3] float64 stats of `_leaf_stats`)}, every key's leaves in one program (one
+  compile per state structure, not one per key)."""
+  flat = {k: jax.tree_util.tree_flatten_with_path(v)[0] for k, v in state.items()}
+  stats = jax.device_get(_leaf_stats([x for leaves in flat.values() for _, x in leaves]))
+  out, i = {}, 0
+  for k, leaves in flat.items():
+    out[k] = ([_path(p) for p, _ in leaves],
+              np.asarray(stats[i:i + len(leaves)], np.float64).reshape(len(leaves), 3))
+    i += len(leaves)
+  return out
 
 
 def _fingerprint_of(stats: dict) -> dict:
@@ -131,7 +137,7 @@ def _fingerprint_of(stats: dict) -> dict:
 def fingerprint(tree) -> dict:
   """{top-level key: [[sum|x|, sum x²] per leaf]} — cheap, computed where the arrays live, in float64 from scaled
   fp32 sums, so that any finite value (even 1e30) has a finite fingerprint."""
-  return _fingerprint_of({k: _leaf_fingerprints(v) for k, v in tree.items()})
+  return _fingerprint_of(_leaf_fingerprints(tree))
 
 
 def _nonfinite_of(stats: dict) -> tuple[list[str], int]:
@@ -268,7 +274,7 @@ class Checkpointer:
         raise CheckpointError(f"{self.directory}: the frozen parameters were neither written (save_frozen) nor "
                               "restored before the first save")
       meta = {**meta, "frozen_params": {"path": self.frozen_dir, "fingerprint": self._frozen_fingerprint}}
-    stats = {k: _leaf_fingerprints(v) for k, v in state.items()}
+    stats = _leaf_fingerprints(state)
     bad, total = _nonfinite_of(stats)
     if bad:
       raise NonFiniteState(f"the state after step {step} holds NaN or Inf in {len(bad)} of {total} arrays (first: "
