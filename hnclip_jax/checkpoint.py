@@ -120,11 +120,11 @@ def _leaf_fingerprints(state: dict) -> dict:
   """{top-level key: (leaf paths, [n, 3] float64 stats of `_leaf_stats`)}, every key's leaves in one program (one
   compile per state structure, not one per key)."""
   flat = {k: jax.tree_util.tree_flatten_with_path(v)[0] for k, v in state.items()}
-  stats = jax.device_get(_leaf_stats([x for leaves in flat.values() for _, x in leaves]))
+  stats = np.asarray(jax.device_get(_leaf_stats([x for leaves in flat.values() for _, x in leaves])),
+                     np.float64).reshape(-1, 3)
   out, i = {}, 0
   for k, leaves in flat.items():
-    out[k] = ([_path(p) for p, _ in leaves],
-              np.asarray(stats[i:i + len(leaves)], np.float64).reshape(len(leaves), 3))
+    out[k] = ([_path(p) for p, _ in leaves], stats[i:i + len(leaves)])
     i += len(leaves)
   return out
 
