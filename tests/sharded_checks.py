@@ -17,7 +17,7 @@ from hnclip_jax.models import CLIPConfig, init_params
 from hnclip_jax.frameworks.finelip import FineLIPTerm
 from hnclip_jax.frameworks.goal import GOALTerm
 from hnclip_jax.frameworks.structxlip import StructXLIPTerm
-from hnclip_jax.objective import Objective, embedding_outputs
+from hnclip_jax.objective import GLOBAL_OUTPUTS, Objective, embedding_outputs
 
 LAYOUTS = [(8, 1, 1), (2, 4, 1), (1, 8, 1), (2, 2, 2), (4, 1, 2)]
 CFG = CLIPConfig(embed_dim=16, image_size=16, patch_size=8, vision_width=32, vision_layers=1, vision_heads=4,
@@ -68,6 +68,34 @@ def grads_on(shape, accum=1, negatives="global_batch", chunk=0, gamma=0.5, token
 
 def rel(loss, grads, ref):
   return {"loss_rel": abs(loss - ref[0]) / ref[0], "grad_rel": max_rel(grads, ref[1])}
+
+
+def outputs_of(model=None, data=None, **settings):
+  """The model's outputs for the objective of `settings` (Objective.of keywords), on one device: what
+  `loss_grads_on` differentiates."""
+  graphdef, params = model or (GRAPHDEF, PARAMS)
+  data = batch if data is None else data
+  objective = Objective.of(**settings)
+  forward = train_step.make_forward(graphdef, objective)
+  return jax.device_get(jax.jit(forward)(params, {k: data[k] for k in objective.input_keys}))
+
+
+def loss_grads_on(shape, outputs, accum=1, negatives="global_batch", chunk=0, gamma=0.5, token_weight=0.0,
+                  **settings):
+  """`grads_on` for the objective alone: the loss on the mesh of `shape` and its gradient with respect to the
+  model's outputs (embeddings, token features, s, b), the per-example outputs split over the batch axes as the step
+  has them. The objective-variant sections check their settings this way (one small program per layout); the
+  towers' sharded backward pass is checked by `core`, `token`, `adapters` and one tower run in each of them."""
+  mesh = mesh_of(shape)
+  objective = Objective.of(gamma=gamma, chunk_size=chunk, token_weight=token_weight, **settings)
+  loss_of = train_step.make_loss_of_outputs(mesh, objective, accum, negatives)
+  floats, masks = train_step.partition_outputs(outputs)
+  on = lambda tree: {k: sharding.replicated(mesh) if k in GLOBAL_OUTPUTS else sharding.batch_sharding(mesh)  # noqa: E731
+                     for k in tree}
+  f = jax.jit(jax.value_and_grad(lambda fl, ma: loss_of(fl, ma)[0]), in_shardings=(on(floats), on(masks)),
+              out_shardings=(sharding.replicated(mesh), on(floats)))
+  loss, grads = f(jax.device_put(floats, on(floats)), jax.device_put(masks, on(masks)))
+  return float(loss), jax.device_get(grads)
 
 
 def core():
@@ -129,18 +157,23 @@ def token():
                    ("chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1))):
     loss, grads, _ = grads_on(token_weight=1.0, **kw)
     out["token_layouts"][name] = rel(loss, grads, ref)
-  # token_group=2 (each example's token negatives: its group of 2 consecutive rows; no caption tokens sent): on the
-  # layouts that split the groups over devices differently, with accumulation and 1-row chunks, equal one device.
-  ref_g = grads_on((1, 1, 1), token_weight=1.0, token_group=2, token_margin=True)
+  # token_group=2 (each example's token negatives: its group of 2 consecutive rows; no caption tokens sent), a
+  # setting of the objective: on the model's outputs (loss_grads_on), the layouts that split the groups over devices
+  # differently, 1-row chunks and micro-batch negatives equal one device.
+  outs = outputs_of(token_weight=1.0)
+  group = dict(token_weight=1.0, token_group=2, token_margin=True)
+  ref_g = loss_grads_on((1, 1, 1), outs, **group)
   out["token_group_differs"] = abs(ref_g[0] - ref[0]) / ref[0]
   out["token_group_layouts"] = {}
   for name, kw in (("(8, 1, 1)", dict(shape=(8, 1, 1))), ("(2, 2, 2)", dict(shape=(2, 2, 2))),
-                   ("accum x2 (2, 2, 2)", dict(shape=(2, 2, 2), accum=2)),
-                   ("chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1))):
-    loss, grads, _ = grads_on(token_weight=1.0, token_group=2, token_margin=True, **kw)
-    out["token_group_layouts"][name] = rel(loss, grads, ref_g)
-  # token_keep=0.5 (each example's tokens chosen on its own device before anything is sent): both schedules, with
-  # accumulation, equal one device.
+                   ("chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1)),
+                   ("micro-batch negatives, accum x2 (4, 1, 1)", dict(shape=(4, 1, 1), accum=2,
+                                                                     negatives="micro_batch"))):
+    loss, grads = loss_grads_on(kw.pop("shape"), outs, **kw, **group)
+    want = ref_g if "micro" not in name else loss_grads_on((1, 1, 1), outs, accum=2, negatives="micro_batch", **group)
+    out["token_group_layouts"][name] = rel(loss, grads, want)
+  # token_keep=0.5 (each example's tokens chosen by the model's forward on its own device, per micro-batch, before
+  # anything is sent): through the towers, both schedules and global-batch accumulation equal one device.
   ref_k = grads_on((1, 1, 1), token_weight=1.0, token_keep=0.5)
   out["token_keep_differs"] = abs(ref_k[0] - ref[0]) / ref[0]
   out["token_keep_layouts"] = {}
@@ -329,18 +362,22 @@ def memory():
 def ring():
   """The token term's ring schedule (config.loss.token_schedule="ring"): every layout, accumulation and chunking equal
   one device (and so the gather schedule); per device, no caption-token buffer grows with the global batch."""
-  ref = grads_on((1, 1, 1), token_weight=1.0)
+  outs = outputs_of(token_weight=1.0)
+  ref = loss_grads_on((1, 1, 1), outs, token_weight=1.0)
   out["ring_layouts"] = {}
   for shape in LAYOUTS:
-    loss, grads, _ = grads_on(shape, token_weight=1.0, token_schedule="ring")
+    loss, grads = loss_grads_on(shape, outs, token_weight=1.0, token_schedule="ring")
     out["ring_layouts"][str(shape)] = rel(loss, grads, ref)
-  for name, kw in (("accum x2 (2, 2, 2)", dict(shape=(2, 2, 2), accum=2)),
-                   ("chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1)),
+  for name, kw in (("chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1)),
                    ("micro-batch negatives, accum x2 (4, 2, 1)", dict(shape=(4, 2, 1), accum=2,
                                                                      negatives="micro_batch"))):
-    loss, grads, _ = grads_on(token_weight=1.0, token_schedule="ring", **kw)
-    want = ref if "micro" not in name else grads_on((1, 1, 1), token_weight=1.0, accum=2, negatives="micro_batch")
+    loss, grads = loss_grads_on(kw.pop("shape"), outs, token_weight=1.0, token_schedule="ring", **kw)
+    want = ref if "micro" not in name else loss_grads_on((1, 1, 1), outs, token_weight=1.0, accum=2,
+                                                         negatives="micro_batch")
     out["ring_layouts"][name] = rel(loss, grads, want)
+  # Through the towers, with global-batch accumulation (the schedule inside the whole sharded step).
+  loss, grads, _ = grads_on((2, 2, 2), accum=2, token_weight=1.0, token_schedule="ring")
+  out["ring_layouts"]["towers, accum x2 (2, 2, 2)"] = rel(loss, grads, grads_on((1, 1, 1), token_weight=1.0))
   # Compiled value and gradient of the objective at 32 rows per device on 4 and on 8 devices (global batch 128 and
   # 256): the largest buffer holding caption tokens ([..., L, E]) under each schedule.
   TP, TL, TE, rows = 5, 7, 24, 32
@@ -372,23 +409,26 @@ def sigmoid():
   import dataclasses
   model = init_params(dataclasses.replace(CFG, family="siglip", logit_bias=True, embed_dim=32, act="gelu_tanh"), 0)
   kw = dict(model=model, kind="sigmoid")
+  # Through the towers (t, b and both towers' gradients): one device, and the ring with global-batch accumulation.
   ref = grads_on((1, 1, 1), sigmoid_schedule="gather", **kw)
-  plain = grads_on((1, 1, 1), sigmoid_schedule="gather", gamma=0.0, **kw)
-  out["sigmoid_margin_differs"] = abs(ref[0] - plain[0]) / plain[0]
   out["sigmoid_bias_grad"] = float(np.abs(ref[1]["logit_bias"]))
   out["sigmoid_layouts"] = {}
-  for schedule, shapes in (("ring", LAYOUTS), ("gather", [(8, 1, 1), (2, 2, 2)])):
-    for shape in shapes:
-      loss, grads, _ = grads_on(shape, sigmoid_schedule=schedule, **kw)
-      out["sigmoid_layouts"][f"{schedule} {shape}"] = rel(loss, grads, ref)
-  for name, extra in (("ring accum x2 (2, 2, 2)", dict(shape=(2, 2, 2), accum=2, sigmoid_schedule="ring")),
-                      ("gather chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1, sigmoid_schedule="gather")),
-                      ("ring micro-batch negatives, accum x2 (4, 2, 1)", dict(shape=(4, 2, 1), accum=2,
-                                                                             negatives="micro_batch",
-                                                                             sigmoid_schedule="ring"))):
-    loss, grads, _ = grads_on(**extra, **kw)
-    want = ref if "micro" not in name else grads_on((1, 1, 1), accum=2, negatives="micro_batch",
-                                                   sigmoid_schedule="gather", **kw)
+  loss, grads, _ = grads_on((2, 2, 2), accum=2, sigmoid_schedule="ring", **kw)
+  out["sigmoid_layouts"]["towers, ring accum x2 (2, 2, 2)"] = rel(loss, grads, ref)
+  # The schedules on the model's outputs (loss_grads_on): every layout, 1-row chunks, micro-batch negatives.
+  outs = outputs_of(model=model, kind="sigmoid")
+  ref = loss_grads_on((1, 1, 1), outs, kind="sigmoid", sigmoid_schedule="gather")
+  plain = loss_grads_on((1, 1, 1), outs, kind="sigmoid", sigmoid_schedule="gather", gamma=0.0)
+  out["sigmoid_margin_differs"] = abs(ref[0] - plain[0]) / plain[0]
+  runs = [(f"{schedule} {shape}", dict(shape=shape, sigmoid_schedule=schedule))
+          for schedule, shapes in (("ring", LAYOUTS), ("gather", [(8, 1, 1), (2, 2, 2)])) for shape in shapes]
+  runs += [("gather chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1, sigmoid_schedule="gather")),
+           ("ring micro-batch negatives, accum x2 (4, 2, 1)", dict(shape=(4, 2, 1), accum=2, negatives="micro_batch",
+                                                                  sigmoid_schedule="ring"))]
+  for name, extra in runs:
+    loss, grads = loss_grads_on(extra.pop("shape"), outs, kind="sigmoid", **extra)
+    want = ref if "micro" not in name else loss_grads_on((1, 1, 1), outs, kind="sigmoid", accum=2,
+                                                         negatives="micro_batch", sigmoid_schedule="gather")
     out["sigmoid_layouts"][name] = rel(loss, grads, want)
   # Compiled value and gradient at 128 rows per device on 8 devices: the largest [x, B] logits buffer and the largest
   # buffer of caption embeddings ([x, D]) under each schedule.
@@ -411,30 +451,36 @@ def sigmoid():
 CONTROLS = {"constant_batch_mean": dict(margin="constant"), "constant_0.4": dict(margin="constant", margin_value=0.4),
             "shuffled": dict(margin="shuffled", shuffle_seed=3), "topk_3": dict(margin="topk", margin_topk=3),
             "hn_nce_0.5": dict(gamma=0.0, hn_nce_beta=0.5), "t2i_only": dict(margin_directions="t2i")}
-CONTROL_VARIANTS = [((2, 2, 2), {"accum": 2}), ((4, 1, 1), {"chunk": 1})]
+CONTROL_VARIANTS = [((2, 2, 2), {}), ((4, 1, 1), {"chunk": 1})]
 
 
 def controls():
-  """The margin controls (constant, shuffled, top-k) and HN-NCE: 4 devices on the batch axes with 1-row chunks and
-  (2, 2, 2) with global-batch accumulation equal one device; and each changes the loss. The sigmoid loss
-  with the constant margin (ring and gather) and the shuffled / top-k margins (gather)."""
+  """The margin controls (constant, shuffled, top-k) and HN-NCE, settings of the objective checked on the model's
+  outputs (loss_grads_on): (2, 2, 2) and 4 devices with 1-row chunks equal one device, and each changes the loss.
+  The sigmoid loss with the constant margin (ring and gather) and the shuffled / top-k margins (gather). Top-k
+  through the towers with global-batch accumulation."""
   out["controls"], out["controls_differ"] = {}, {}
-  plain = grads_on((1, 1, 1))
+  outs = outputs_of()
+  plain = loss_grads_on((1, 1, 1), outs)
   for name, kw in CONTROLS.items():
-    ref = grads_on((1, 1, 1), **kw)
+    ref = loss_grads_on((1, 1, 1), outs, **kw)
     out["controls_differ"][name] = abs(ref[0] - plain[0]) / plain[0]
     for shape, v in CONTROL_VARIANTS:
-      loss, grads, _ = grads_on(shape, **v, **kw)
+      loss, grads = loss_grads_on(shape, outs, **v, **kw)
       out["controls"][f"{name} {shape} {v}"] = rel(loss, grads, ref)
   import dataclasses
   model = init_params(dataclasses.replace(CFG, family="siglip", logit_bias=True, embed_dim=32, act="gelu_tanh"), 0)
+  souts = outputs_of(model=model, kind="sigmoid")
   for name, kw, schedules in (("sigmoid constant", dict(margin="constant"), ("ring", "gather")),
                               ("sigmoid shuffled", dict(margin="shuffled"), ("gather",)),
                               ("sigmoid topk_3", dict(margin="topk", margin_topk=3), ("gather",))):
-    ref = grads_on((1, 1, 1), model=model, kind="sigmoid", sigmoid_schedule="gather", **kw)
+    ref = loss_grads_on((1, 1, 1), souts, kind="sigmoid", sigmoid_schedule="gather", **kw)
     for schedule in schedules:
-      loss, grads, _ = grads_on((2, 2, 2), accum=2, model=model, kind="sigmoid", sigmoid_schedule=schedule, **kw)
-      out["controls"][f"{name} {schedule} (2, 2, 2) accum 2"] = rel(loss, grads, ref)
+      loss, grads = loss_grads_on((2, 2, 2), souts, kind="sigmoid", sigmoid_schedule=schedule, **kw)
+      out["controls"][f"{name} {schedule} (2, 2, 2)"] = rel(loss, grads, ref)
+  topk = CONTROLS["topk_3"]
+  loss, grads, _ = grads_on((2, 2, 2), accum=2, **topk)
+  out["controls"]["topk_3 towers, accum x2 (2, 2, 2)"] = rel(loss, grads, grads_on((1, 1, 1), **topk))
 
 
 SECTIONS = {"core": core, "controls": controls, "token": token, "ring": ring, "adapters": adapters_, "finelip": finelip, "goal": goal,

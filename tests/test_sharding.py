@@ -36,10 +36,11 @@ def test_every_layout_matches_one_device():
 @group("controls")
 def test_margin_controls_and_hn_nce_every_layout_match_one_device():
   """Issue 55's controls as settings of the global term (constant margin — the batch's mean Ḡ or a fixed c —,
-  shuffled, top-k) and HN-NCE: 4 devices with 1-row chunks and (2, 2, 2) with global-batch accumulation give
-  the one-device loss and gradients, and each changes the loss; so does the sigmoid form (ring and gather)."""
+  shuffled, top-k) and HN-NCE, on the model's outputs: (2, 2, 2) and 4 devices with 1-row chunks give the one-device
+  loss and gradients, and each changes the loss; so does the sigmoid form (ring and gather); top-k also through the
+  towers with global-batch accumulation."""
   checks = section("controls")
-  assert len(checks["controls"]) == 6 * 2 + 4
+  assert len(checks["controls"]) == 6 * 2 + 4 + 1
   for name, r in checks["controls"].items():
     assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5, (name, r)
   for name, d in checks["controls_differ"].items():
@@ -57,8 +58,9 @@ def test_token_term_every_layout_matches_one_device():
 
 @group("token")
 def test_token_groups_match_one_device():
-  """config.loss.token_group=2 with the margin on the token logits: the one-device loss and gradients on layouts with
-  1 and 2 rows per device, with global-batch accumulation and 1-row chunks; the groups change the term."""
+  """config.loss.token_group=2 with the margin on the token logits, on the model's outputs: the one-device loss and
+  gradients on layouts with 2 and 4 rows per device, with 1-row chunks and micro-batch negatives; the groups change
+  the term."""
   checks = section("token")
   assert checks["token_group_differs"] > 1e-3
   assert len(checks["token_group_layouts"]) == 4
@@ -80,8 +82,8 @@ def test_token_keep_matches_one_device():
 @group("ring")
 def test_ring_schedule_every_layout_matches_one_device():
   """config.loss.token_schedule="ring": caption-token tiles passed around the batch axes (its own custom VJP sends
-  them around again in the backward pass) give the one-device loss and gradients on every layout, with global-batch
-  accumulation, 1-row chunks and micro-batch negatives."""
+  them around again in the backward pass) give the one-device loss and gradients on every layout, with 1-row chunks
+  and micro-batch negatives (on the model's outputs), and through the towers with global-batch accumulation."""
   checks = section("ring")
   assert set(checks["ring_layouts"]) >= {"(8, 1, 1)", "(2, 4, 1)", "(1, 8, 1)", "(2, 2, 2)", "(4, 1, 2)"}
   assert len(checks["ring_layouts"]) == 8
@@ -104,9 +106,10 @@ def test_ring_schedule_holds_no_caption_tokens_that_grow_with_the_global_batch()
 
 @group("sigmoid")
 def test_sigmoid_loss_every_layout_matches_one_device():
-  """HN-SigLIP (config.loss.kind="sigmoid") on a SigLIP-family model: the ring schedule on the five layouts, the
-  gather schedule on two, global-batch accumulation, 1-row chunks and micro-batch negatives give the one-device loss
-  and gradients (t, b and both towers); the margin changes the loss and b gets a gradient."""
+  """HN-SigLIP (config.loss.kind="sigmoid") on a SigLIP-family model: through the towers with the ring schedule and
+  global-batch accumulation (t, b and both towers' gradients); on the model's outputs the ring schedule on the five
+  layouts, the gather schedule on two, 1-row chunks and micro-batch negatives — each the one-device loss and
+  gradients; the margin changes the loss and b gets a gradient."""
   checks = section("sigmoid")
   assert checks["sigmoid_margin_differs"] > 1e-3 and checks["sigmoid_bias_grad"] > 1e-3
   assert {f"ring {s}" for s in ("(8, 1, 1)", "(2, 4, 1)", "(1, 8, 1)", "(2, 2, 2)", "(4, 1, 2)")} <= set(
