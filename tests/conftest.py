@@ -74,7 +74,11 @@ def pytest_configure(config):
   config.addinivalue_line("markers", "quick: the inner-loop selection (docs/testing.md)")
   config.addinivalue_line("markers", "registry: installs from the package registries (a fresh virtual environment, "
                           "libtpu, the CUDA plugin) and the compiles that need them; left out of the README test "
-                          "command by pyproject.toml's `-m 'not registry'`, run by .ci/run (docs/testing.md)")
+                          "command by pyproject.toml's `-m 'not registry and not long'`, run by .ci/run "
+                          "(docs/testing.md)")
+  config.addinivalue_line("markers", "long: a repeat of a scenario the README test command runs (another layout, "
+                          "fault, process count or schedule of it) or a benchmark script's smoke run; left out of "
+                          "the README test command, run by .ci/run with `-m long` (docs/testing.md)")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -6,12 +6,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, _env
 
 # The benchmarks time steps after compiling them: the suite's persistent XLA cache (JAX_COMPILATION_CACHE_DIR, set by
 # conftest and inherited through _env) skips the compiles on reruns.
 
 
+@pytest.mark.long  # a repeat or a benchmark script's smoke run: `-m long`, run by .ci/run (docs/testing.md)
 def test_accelerator_script_quick_mode(tmp_path):
   env = _env(1, {"OUT": str(tmp_path)})
   proc = subprocess.run(["bash", "benchmarks/accelerator.sh", "--quick"], cwd=ROOT, env=env, capture_output=True,
@@ -64,6 +67,7 @@ def test_stop_check_benchmark_runs(tmp_path):
   assert sorted(ms) == ["allgather", "none", "sync_point"] and min(ms.values()) > 0
 
 
+@pytest.mark.long  # a repeat or a benchmark script's smoke run: `-m long`, run by .ci/run (docs/testing.md)
 def test_layers_benchmark_runs(tmp_path):
   out = tmp_path / "layers.json"
   proc = subprocess.run([sys.executable, "benchmarks/layers.py", "--batch", "2", "--width", "16", "--heads", "2",
@@ -77,6 +81,7 @@ def test_layers_benchmark_runs(tmp_path):
   assert all(r["fwd_bwd_ms"] > 0 for r in rows)
 
 
+@pytest.mark.long  # a repeat or a benchmark script's smoke run: `-m long`, run by .ci/run (docs/testing.md)
 def test_host_allocator_benchmark_runs_each_allocator_in_its_own_process(tmp_path):
   from hnclip_jax import hostmem
   lib = hostmem.find_tcmalloc()

@@ -184,6 +184,7 @@ def test_listing_a_prefix_whose_last_object_goes_meanwhile_is_empty_not_an_error
   assert [out.split(" ", 1)[0] for out, _ in outs] == ["0", "0"], outs
 
 
+@pytest.mark.long  # a repeat or a benchmark script's smoke run: `-m long`, run by .ci/run (docs/testing.md)
 def test_two_processes_train_into_the_bucket_are_killed_and_resume_bit_identically(gcs, tfds_dir, tmp_path):
   """2 processes × 4 CPU devices write one workdir on the emulator (each its own checkpoint shards; process 1 talks
   to it through a relay that records its requests); both are SIGKILLed once checkpoints 1 and 2 landed, and a plain
@@ -287,6 +288,7 @@ def test_weights_paths_may_be_buckets(gcs, tfds_dir):
   assert a != no_perf(bucket_rows(gcs, "w/metrics.jsonl"))  # it did start from the trained weights
 
 
+@pytest.mark.long  # a repeat or a benchmark script's smoke run: `-m long`, run by .ci/run (docs/testing.md)
 def test_a_server_gone_mid_save_or_mid_restore_ends_the_run_in_seconds_and_loses_nothing(tmp_path, tfds_dir):
   """The server goes away at an exact moment, through a relay in front of the emulator (tests/gcs.py): while Orbax
   writes checkpoint 4's arrays (tensorstore, which on its own retries for ~15 min), and, on the rerun, while it reads

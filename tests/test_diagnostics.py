@@ -106,6 +106,7 @@ def replication(tmp_path_factory, tfds_dir):
   return out
 
 
+@pytest.mark.long  # a repeat or a benchmark script's smoke run: `-m long`, run by .ci/run (docs/testing.md)
 def test_replicate_quick_writes_its_outputs(replication):
   res = json.load(open(replication / "results.json"))
   assert set(res["by_gamma"]) == {"0.0", "0.5"}
@@ -307,11 +308,15 @@ def test_replication_summaries_over_seeds_and_epochs_match_numpy(tmp_path):
     assert got[k]["ci95"] == pytest.approx([d.mean() - half, d.mean() + half], rel=1e-9)
 
 
-def test_caption_geometry_report(replication, tmp_path, tfds_dir):
-  out = tmp_path / "geometry"
+def test_caption_geometry_report(tmp_path, tfds_dir):
+  """The report of a short-caption start (a few steps of configs/two_stage.py:pretrain, as replicate.py trains it),
+  on the dense captions, against NumPy."""
+  start, out = tmp_path / "pretrain", tmp_path / "geometry"
+  run_py(["train.py", "--config", "configs/two_stage.py:pretrain,test", f"--config.data.data_dir={tfds_dir}",
+          "--workdir", str(start), "--config.loss.gamma=0", "--config.total_steps=4", "--config.eval_every=4",
+          "--config.checkpoint_every=4", "--config.log_every=2"])
   run_py(["-m", "hnclip_jax.tools.caption_geometry", "--config", "configs/two_stage.py:finetune,test",
-          f"--config.data.data_dir={tfds_dir}", "--init_from", str(replication / "pretrain"), "--split", "test",
-          "--out", str(out)])
+          f"--config.data.data_dir={tfds_dir}", "--init_from", str(start), "--split", "test", "--out", str(out)])
   summary = json.load(open(out / "summary.json"))
   assert summary["num_captions"] == 40 and summary["batch_size"] == 16
   # Against NumPy on the same encoder (stretched to the fine-tuning context, as train.py would start from it):
@@ -323,7 +328,7 @@ def test_caption_geometry_report(replication, tmp_path, tfds_dir):
                                         manual_dir="", on_bad_example="error", num_train=128, num_test=40,
                                         group_size=4, image_size=32, seed=0, captions="dense"))
   caps = pipeline.read_captions(builders.data_source(data, "test", decode_images=False))
-  emb = pretrained.load(str(replication / "pretrain")).with_text_context(68).encode_texts(caps).astype(np.float64)
+  emb = pretrained.load(str(start)).with_text_context(68).encode_texts(caps).astype(np.float64)
   sims = emb @ emb.T
   off = sims[~np.eye(len(caps), dtype=bool)]
   assert summary["mean_pairwise_similarity"] == pytest.approx(off.mean(), abs=0.006)

@@ -42,7 +42,10 @@ def _assert_same(workdir, reference):
   assert got_eval[0] == pytest.approx(want_eval[0])
 
 
-@pytest.mark.parametrize("layout", [(8, 1, 1), (2, 4, 1), (1, 8, 1), (2, 2, 2), (4, 1, 2)])
+# (8, 1, 1) and (2, 2, 2) in the README command; the other three (the same code, parameters split otherwise) in `long`.
+@pytest.mark.parametrize("layout", [(8, 1, 1), pytest.param((2, 4, 1), marks=pytest.mark.long),
+                                    pytest.param((1, 8, 1), marks=pytest.mark.long), (2, 2, 2),
+                                    pytest.param((4, 1, 2), marks=pytest.mark.long)])
 def test_layouts_train_like_one_device(tmp_path, tfds_dir, reference, layout):
   d, f, t = layout
   run_py(["train.py", *COMMON, f"--config.data.data_dir={tfds_dir}", "--workdir", str(tmp_path),
@@ -62,7 +65,8 @@ def test_two_processes_train_and_eval_like_one(tmp_path, tfds_dir, reference):
   assert got["num_pairs"] == 41 and got == want  # 41 pairs over 2 processes: none dropped or doubled
 
 
-@pytest.mark.parametrize("service", [True, False], ids=["preemption_service", "allgather_fallback"])
+@pytest.mark.parametrize("service", [True, pytest.param(False, marks=pytest.mark.long)],
+                         ids=["preemption_service", "allgather_fallback"])
 def test_sigterm_on_one_process_stops_all_at_the_same_step(tmp_path, tfds_dir, service):
   """A preemption notice to process 1 only: both processes stop at the same step, the checkpoint of that step is
   written and both exit 0. By default JAX's preemption service picks the step (no per-step collective); with the
@@ -94,6 +98,7 @@ def test_sigterm_on_one_process_stops_all_at_the_same_step(tmp_path, tfds_dir, s
 HYBRID = ["--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.mesh.dcn.data=2"]
 
 
+@pytest.mark.long  # a repeat or a benchmark script's smoke run: `-m long`, run by .ci/run (docs/testing.md)
 def test_hybrid_mesh_trains_like_one_device_and_resumes_bit_identically(tmp_path, tfds_dir, reference):
   """Two processes (the slow network's granules) × 4 devices, data parallelism across them (config.mesh.dcn.data=2)
   and fsdp × tensor inside each: the losses and the in-training eval of one device; killed on both processes after
@@ -125,6 +130,7 @@ def test_hybrid_mesh_trains_like_one_device_and_resumes_bit_identically(tmp_path
   assert (got["t2i"], got["i2t"]) == (pytest.approx(want["t2i"]), pytest.approx(want["i2t"]))
 
 
+@pytest.mark.long  # a repeat or a benchmark script's smoke run: `-m long`, run by .ci/run (docs/testing.md)
 def test_hybrid_mesh_gradients_equal_one_device():
   """tests/hybrid_checks.py on 2 processes × 4 devices: L_HN with the data, fsdp or tensor axis across the
   processes; accumulation with row chunks; the token term under both schedules; HN-SigLIP under both schedules;
