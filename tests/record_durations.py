@@ -3,7 +3,7 @@ slowest work out first with it. Refresh after adding slow tests:
 
   python -m pytest -q tests --junitxml=/tmp/junit.xml && python tests/record_durations.py /tmp/junit.xml
 
-Tests the report does not hold (the `registry` ones a plain run leaves out) keep their recorded times.
+Tests the report does not hold (the `registry` and `long` ones a plain run leaves out) keep their recorded times.
 """
 import json
 import os
