@@ -150,17 +150,24 @@ def token():
   ref = grads_on((1, 1, 1), token_weight=1.0)
   out["token_term_differs"] = abs(ref[0] - ref_loss) / ref_loss
   out["token_layouts"] = {}
-  for shape in LAYOUTS:
-    loss, grads, _ = grads_on(shape, token_weight=1.0)
-    out["token_layouts"][str(shape)] = rel(loss, grads, ref)
-  for name, kw in (("accum x2 (2, 2, 2)", dict(shape=(2, 2, 2), accum=2)),
-                   ("chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1))):
+  # Through the towers: the batch over one axis (8, 1, 1), over two with the parameters split by the third (2, 2, 2),
+  # and global-batch accumulation.
+  for name, kw in (("(8, 1, 1)", dict(shape=(8, 1, 1))), ("(2, 2, 2)", dict(shape=(2, 2, 2))),
+                   ("accum x2 (2, 2, 2)", dict(shape=(2, 2, 2), accum=2))):
     loss, grads, _ = grads_on(token_weight=1.0, **kw)
     out["token_layouts"][name] = rel(loss, grads, ref)
+  # On the model's outputs (the towers' backward on these layouts is `core`'s): the other three layouts and 1-row
+  # chunks.
+  outs = outputs_of(token_weight=1.0)
+  ref_o = loss_grads_on((1, 1, 1), outs, token_weight=1.0)
+  for name, kw in (("outputs (2, 4, 1)", dict(shape=(2, 4, 1))), ("outputs (1, 8, 1)", dict(shape=(1, 8, 1))),
+                   ("outputs (4, 1, 2)", dict(shape=(4, 1, 2))),
+                   ("outputs chunk 1 (4, 1, 1)", dict(shape=(4, 1, 1), chunk=1))):
+    loss, grads = loss_grads_on(kw.pop("shape"), outs, token_weight=1.0, **kw)
+    out["token_layouts"][name] = rel(loss, grads, ref_o)
   # token_group=2 (each example's token negatives: its group of 2 consecutive rows; no caption tokens sent), a
   # setting of the objective: on the model's outputs (loss_grads_on), the layouts that split the groups over devices
   # differently, 1-row chunks and micro-batch negatives equal one device.
-  outs = outputs_of(token_weight=1.0)
   group = dict(token_weight=1.0, token_group=2, token_margin=True)
   ref_g = loss_grads_on((1, 1, 1), outs, **group)
   out["token_group_differs"] = abs(ref_g[0] - ref[0]) / ref[0]
@@ -184,13 +191,14 @@ def token():
     out["token_keep_layouts"][name] = rel(loss, grads, ref_k)
 
 
-def adapters_():
-  """LoRA / DoRA adapters (random, so every adapter leaf has a gradient): every layout, the token term and
-  accumulation equal one device, and the adapter leaves are split like the kernels they adapt."""
+def adapters_(more_layouts=False):
+  """LoRA / DoRA adapters (random, so every adapter leaf has a gradient): (8, 1, 1), (2, 2, 2), the token term and
+  accumulation equal one device, and the adapter leaves are split like the kernels they adapt; with `more_layouts`
+  (section adapters_layouts, `-m long`) DoRA on the other three layouts."""
   import dataclasses
   from hnclip_jax.models import abstract_model, adapters
   out["adapters"] = {}
-  for method in ("lora", "dora"):
+  for method in ("dora",) if more_layouts else ("lora", "dora"):
     acfg = dataclasses.replace(CFG, adapter=method, adapter_rank=4, adapter_alpha=8.0)
     aparams = adapters.add_adapters(PARAMS, acfg, 0)
     key = jax.random.key(5)
@@ -199,9 +207,13 @@ def adapters_():
         if adapters.is_adapter(adapters.path_of(p)) else x, aparams)
     amodel = (abstract_model(acfg)[0], aparams)
     ref = grads_on((1, 1, 1), token_weight=1.0, model=amodel)
-    # DoRA has every adapter leaf (lora_a, lora_b, magnitude) and the column norms: all five layouts and
-    # accumulation; LoRA (the same lora_a / lora_b rules) on the layout that splits over all three axes.
-    runs = [(s, {}) for s in LAYOUTS] + [((2, 2, 2), {"accum": 2})] if method == "dora" else [((2, 2, 2), {})]
+    # DoRA has every adapter leaf (lora_a, lora_b, magnitude) and the column norms: (8, 1, 1), (2, 2, 2) and
+    # accumulation here, the other three layouts in `-m long`; LoRA (the same lora_a / lora_b rules) on the layout
+    # that splits over all three axes.
+    if more_layouts:
+      runs = [((2, 4, 1), {}), ((1, 8, 1), {}), ((4, 1, 2), {})]
+    else:
+      runs = [((8, 1, 1), {}), ((2, 2, 2), {}), ((2, 2, 2), {"accum": 2})] if method == "dora" else [((2, 2, 2), {})]
     for shape, kw in runs:
       loss, grads, psh = grads_on(shape, token_weight=1.0, model=amodel, **kw)
       out["adapters"][f"{method} {shape}{' accum x2' if kw else ''}"] = rel(loss, grads, ref)
@@ -215,8 +227,9 @@ def adapters_():
 
 # A framework's terms on the layouts that run different code for them: the batch over one axis with the others of
 # size 1 (8, 1, 1) and over two axes with the parameters split by the third (2, 2, 2); global-batch accumulation and
-# 1-row chunks. The core objective (`core`, `token`, `ring`) and DoRA keep all five layouts: (2, 4, 1), (1, 8, 1) and
-# (4, 1, 2) differ from these in how the towers' parameters are split, which the frameworks' terms do not touch.
+# 1-row chunks. (2, 4, 1), (1, 8, 1) and (4, 1, 2) differ from these in how the towers' parameters are split, which
+# the frameworks' terms do not touch: `core` runs the towers on all five; `token` and `ring` run the objective on
+# all five (the other three on the model's outputs); DoRA's other three are `adapters_layouts` (`-m long`).
 VARIANTS = [((8, 1, 1), {}), ((2, 2, 2), {}), ((2, 2, 2), {"accum": 2}), ((4, 1, 1), {"chunk": 1})]
 
 
@@ -483,7 +496,8 @@ def controls():
   out["controls"]["topk_3 towers, accum x2 (2, 2, 2)"] = rel(loss, grads, grads_on((1, 1, 1), **topk))
 
 
-SECTIONS = {"core": core, "controls": controls, "token": token, "ring": ring, "adapters": adapters_, "finelip": finelip, "goal": goal,
+SECTIONS = {"core": core, "controls": controls, "token": token, "ring": ring, "adapters": adapters_,
+            "adapters_layouts": lambda: adapters_(more_layouts=True), "finelip": finelip, "goal": goal,
             "structxlip": structxlip, "memory": memory, "plugin": plugin, "sigmoid": sigmoid}
 
 if __name__ == "__main__":

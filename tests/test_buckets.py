@@ -249,9 +249,9 @@ def test_a_server_that_stops_mid_run_ends_it_in_one_line_and_a_rerun_resumes(tmp
   emu = Emulator(str(tmp_path / "gcs")).start()
   try:
     emu.make_bucket("bkt")
-    args = [sys.executable, "train.py", *BASE, "--config.total_steps=40", f"--config.data.data_dir={tfds_dir}"]
+    args = [sys.executable, "train.py", *BASE, "--config.total_steps=20", f"--config.data.data_dir={tfds_dir}"]
     local = tmp_path / "local"
-    run_py(["train.py", *BASE, "--config.total_steps=40", f"--config.data.data_dir={tfds_dir}",
+    run_py(["train.py", *BASE, "--config.total_steps=20", f"--config.data.data_dir={tfds_dir}",
             "--workdir", str(local)])
     proc = subprocess.Popen([*args, "--workdir", "gs://bkt/fault"], cwd=ROOT, env=_env(1, emu.env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -263,7 +263,7 @@ def test_a_server_that_stops_mid_run_ends_it_in_one_line_and_a_rerun_resumes(tmp
     assert_error_exit(subprocess.CompletedProcess(args, proc.returncode, out, err), "gs://bkt/fault",
                       "rerun the same command to resume")
     emu.start()
-    done = run_py(["train.py", *BASE, "--config.total_steps=40", f"--config.data.data_dir={tfds_dir}",
+    done = run_py(["train.py", *BASE, "--config.total_steps=20", f"--config.data.data_dir={tfds_dir}",
                    "--workdir", "gs://bkt/fault"], env_extra=emu.env)
     assert "resumed from gs://bkt/fault/checkpoints/" in done.stdout
     assert no_perf(bucket_rows(emu, "fault/metrics.jsonl")) == metrics_rows(local)
