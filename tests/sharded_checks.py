@@ -191,14 +191,21 @@ def token():
     out["token_keep_layouts"][name] = rel(loss, grads, ref_k)
 
 
-def adapters_(more_layouts=False):
-  """LoRA / DoRA adapters (random, so every adapter leaf has a gradient): (8, 1, 1), (2, 2, 2), the token term and
-  accumulation equal one device, and the adapter leaves are split like the kernels they adapt; with `more_layouts`
-  (section adapters_layouts, `-m long`) DoRA on the other three layouts."""
+# DoRA has every adapter leaf (lora_a, lora_b, magnitude) and the column norms: (8, 1, 1), (2, 2, 2) and accumulation
+# in `adapters`, the other three layouts in `adapters_layouts` (`-m long`); LoRA (the same lora_a / lora_b rules) on
+# the layout that splits over all three axes.
+ADAPTER_RUNS = {"lora": [((2, 2, 2), {})], "dora": [((8, 1, 1), {}), ((2, 2, 2), {}), ((2, 2, 2), {"accum": 2})]}
+ADAPTER_OTHER_LAYOUTS = {"dora": [((2, 4, 1), {}), ((1, 8, 1), {}), ((4, 1, 2), {})]}
+
+
+def adapters_(runs_of=ADAPTER_RUNS):
+  """LoRA / DoRA adapters (random, so every adapter leaf has a gradient) with the token term, on the runs of
+  `runs_of` (method -> [(layout, grads_on keywords)]), equal one device, and the adapter leaves are split like the
+  kernels they adapt."""
   import dataclasses
   from hnclip_jax.models import abstract_model, adapters
   out["adapters"] = {}
-  for method in ("dora",) if more_layouts else ("lora", "dora"):
+  for method, runs in runs_of.items():
     acfg = dataclasses.replace(CFG, adapter=method, adapter_rank=4, adapter_alpha=8.0)
     aparams = adapters.add_adapters(PARAMS, acfg, 0)
     key = jax.random.key(5)
@@ -207,13 +214,6 @@ def adapters_(more_layouts=False):
         if adapters.is_adapter(adapters.path_of(p)) else x, aparams)
     amodel = (abstract_model(acfg)[0], aparams)
     ref = grads_on((1, 1, 1), token_weight=1.0, model=amodel)
-    # DoRA has every adapter leaf (lora_a, lora_b, magnitude) and the column norms: (8, 1, 1), (2, 2, 2) and
-    # accumulation here, the other three layouts in `-m long`; LoRA (the same lora_a / lora_b rules) on the layout
-    # that splits over all three axes.
-    if more_layouts:
-      runs = [((2, 4, 1), {}), ((1, 8, 1), {}), ((4, 1, 2), {})]
-    else:
-      runs = [((8, 1, 1), {}), ((2, 2, 2), {}), ((2, 2, 2), {"accum": 2})] if method == "dora" else [((2, 2, 2), {})]
     for shape, kw in runs:
       loss, grads, psh = grads_on(shape, token_weight=1.0, model=amodel, **kw)
       out["adapters"][f"{method} {shape}{' accum x2' if kw else ''}"] = rel(loss, grads, ref)
@@ -497,7 +497,7 @@ def controls():
 
 
 SECTIONS = {"core": core, "controls": controls, "token": token, "ring": ring, "adapters": adapters_,
-            "adapters_layouts": lambda: adapters_(more_layouts=True), "finelip": finelip, "goal": goal,
+            "adapters_layouts": lambda: adapters_(ADAPTER_OTHER_LAYOUTS), "finelip": finelip, "goal": goal,
             "structxlip": structxlip, "memory": memory, "plugin": plugin, "sigmoid": sigmoid}
 
 if __name__ == "__main__":

@@ -207,14 +207,15 @@ def test_workdir_that_is_a_file(tmp_path, tfds_dir):
   assert proc.returncode == 2 and "is a file" in proc.stderr
 
 
-_LAYOUT = lambda d, f, t: [f"--config.mesh.data={d}", f"--config.mesh.fsdp={f}", f"--config.mesh.tensor={t}"]  # noqa: E731
+def _layout(d, f, t):
+  return [f"--config.mesh.data={d}", f"--config.mesh.fsdp={f}", f"--config.mesh.tensor={t}"]
 
 
 def _killed_after_step_4_on_8_devices(tmp_path, tfds_dir):
   """A run on 8 devices (data 2 x fsdp 4) killed at step 5, after its step-4 checkpoint (synchronous saves here, so
   checkpoint 4 is surely complete when step 5 is killed)."""
   part = tmp_path / "part"
-  train(part, tfds_dir, *_LAYOUT(2, 4, 1), "--config.async_checkpointing=false", devices=8, fault="kill@5",
+  train(part, tfds_dir, *_layout(2, 4, 1), "--config.async_checkpointing=false", devices=8, fault="kill@5",
         check=False)
   assert max(steps(part)) == 4
   return part
@@ -238,13 +239,13 @@ def test_restore_onto_other_layouts(tmp_path, tfds_dir, reference):
   fsdp 2 x tensor 2: each continues with the losses of the uninterrupted run, and eval.py gives the same numbers on
   1 and on 8 devices. (Data 8: test_restore_onto_data_8, in `-m long`.)"""
   part = _killed_after_step_4_on_8_devices(tmp_path, tfds_dir)
-  _resume_on(part, tmp_path / "one", tfds_dir, reference, 1, _LAYOUT(1, 1, 1))
-  _resume_on(part, tmp_path / "tp", tfds_dir, reference, 8, _LAYOUT(2, 2, 2))
+  _resume_on(part, tmp_path / "one", tfds_dir, reference, 1, _layout(1, 1, 1))
+  _resume_on(part, tmp_path / "tp", tfds_dir, reference, 8, _layout(2, 2, 2))
   # eval.py on any device count gives the same numbers (on the run finished on data 2 x fsdp 2 x tensor 2).
   results = []
   for devices in (1, 8):
     run_py(["eval.py", "--config", "configs/demo.py:test", "--workdir", str(tmp_path / "tp"),
-            f"--config.data.data_dir={tfds_dir}", *(_LAYOUT(1, 1, 1) if devices == 1 else _LAYOUT(4, 1, 2))],
+            f"--config.data.data_dir={tfds_dir}", *(_layout(1, 1, 1) if devices == 1 else _layout(4, 1, 2))],
            devices=devices)
     with open(tmp_path / "tp" / "eval_results.json") as f:
       results.append(json.load(f))
@@ -255,7 +256,7 @@ def test_restore_onto_other_layouts(tmp_path, tfds_dir, reference):
 def test_restore_onto_data_8(tmp_path, tfds_dir, reference):
   """test_restore_onto_other_layouts' killed run resumed on data 8 (the batch over one axis, parameters whole)."""
   part = _killed_after_step_4_on_8_devices(tmp_path, tfds_dir)
-  _resume_on(part, tmp_path / "dp8", tfds_dir, reference, 8, _LAYOUT(8, 1, 1))
+  _resume_on(part, tmp_path / "dp8", tfds_dir, reference, 8, _layout(8, 1, 1))
 
 
 # ---- faults of real file systems and real optimisation (docs/reliability.md, "When the machine misbehaves") ------
