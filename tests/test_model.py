@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT
+import openai_bpe
 from hnclip_jax.models import CLIPConfig, PRESETS, abstract_model, bind, init_params
 from hnclip_jax.models.clip_family import CLIPFamily
 
@@ -140,9 +140,6 @@ def test_config_validation_names_the_field():
     CLIPConfig(**{**CFG.__dict__, "act": "relu"}).validate()
 
 
-SHARED = os.environ.get("HNCLIP_SHARED_DIR", os.path.join(os.path.dirname(ROOT), "shared"))
-
-
 def test_model_and_tokenizer_agree_before_anything_compiles(tmp_path):
   """Every preset × tokenizer kind (a word tokenizer fitted on captions, OpenAI's CLIP BPE, a converted directory's
   tokenizer read back): the preset's CLIP ids are accepted only with a tokenizer that ends captions with them;
@@ -154,7 +151,9 @@ def test_model_and_tokenizer_agree_before_anything_compiles(tmp_path):
   from hnclip_jax.data.clip_tokenizer import CLIPTokenizer
   from hnclip_jax.workdir import read_tokenizer, write_tokenizer
   word = WordTokenizer.fit(["a small red circle left of a blue square", "a green triangle"], context_length=77)
-  bpe = CLIPTokenizer.from_openai_bpe(os.path.join(SHARED, "data", "bpe_simple_vocab_16e6.txt.gz"), 77)
+  if not os.path.exists(openai_bpe.path()):
+    raise FileNotFoundError(openai_bpe.missing_message(openai_bpe.path()))
+  bpe = CLIPTokenizer.from_openai_bpe(openai_bpe.path(), 77)
   write_tokenizer(str(tmp_path), bpe)
   converted = read_tokenizer(str(tmp_path))
   assert (word.eot_id, bpe.eot_id, converted.eot_id) == (3, 49407, 49407)

@@ -13,17 +13,16 @@ transformers = pytest.importorskip("transformers")
 
 from hnclip_jax import pretrained  # noqa: E402
 from hnclip_jax.data.clip_tokenizer import OPENAI_NUM_MERGES, CLIPTokenizer, byte_alphabet  # noqa: E402
+import openai_bpe  # noqa: E402
 from conftest import ROOT, assert_error_exit, run_py  # noqa: E402
 
-# OpenAI's real merge list, from the project's shared/ folder beside the checkout (never copied into the repo).
-OPENAI_BPE = os.path.join(os.environ.get("HNCLIP_SHARED_DIR", os.path.join(os.path.dirname(ROOT), "shared")),
-                          "data", "bpe_simple_vocab_16e6.txt.gz")
+# OpenAI's real merge list, from the open-clip-torch wheel that tests/setup.sh fetches (never copied into the repo).
+OPENAI_BPE = openai_bpe.path()
 
 
 def setup_module():
   if not os.path.exists(OPENAI_BPE):
-    raise FileNotFoundError(f"{OPENAI_BPE} is missing: the tokenizer tests read OpenAI's merge list from shared/data "
-                            "beside the checkout (or set HNCLIP_SHARED_DIR)")
+    raise FileNotFoundError(openai_bpe.missing_message(OPENAI_BPE))
 
 
 def hf_model(act="quick_gelu", vision_layers=2, text_layers=2, context=16, seed=0, head_dim=None, vocab=300):
