@@ -285,7 +285,11 @@ def stop_debug_log() -> None:
 
 
 def print_error(msg: str) -> None:
-  """The one console line of a failed run, pointing at the debug log when library details went there."""
+  """The one `error:` console line of a failed run, the last line on stderr, pointing at the debug log when library
+  details went there. A message's further lines (instructions: how to lay out hand-downloaded data) go above it."""
+  first, _, more = msg.partition("\n")
+  if more.strip():
+    print(more.rstrip(), file=sys.stderr)
   log = _active
   extra = f" (details: {log.path})" if log is not None and log.records else ""
-  print(f"error: {msg}{extra}", file=sys.stderr, flush=True)
+  print(f"error: {first}{extra}", file=sys.stderr, flush=True)

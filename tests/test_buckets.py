@@ -100,7 +100,9 @@ def test_train_resume_and_eval_on_a_bucket_match_a_local_disk(gcs, tfds_dir, tmp
   assert [r["step"] for r in watched] == [2, 4, 6]
   assert watched[-1]["t2i"] == got["t2i"]
   best = json.loads(gcs.read("bkt", "run/best/best.json"))
-  assert best["step"] in (2, 4, 6)
+  top = max(r["metric_value"] for r in watched)  # the first step to reach the highest value (a tie keeps the first)
+  assert (best["step"], best["value"]) == (next(r["step"] for r in watched if r["metric_value"] == top), top)
+  assert all(r["best_step"] == best["step"] for r in watched if r["step"] >= best["step"])
   assert {"run/best/model.json", "run/best/params/commit_success.txt"} <= set(gcs.objects("bkt", "run/best/"))
 
 
@@ -128,7 +130,10 @@ def test_what_a_bucket_cannot_do_is_refused_in_one_line(gcs, tfds_dir):
   assert_error_exit(proc, "gs://bkt", "cannot be reached")
   assert time.monotonic() - start < 60
   proc = train(gcs, "gs://bkt/data-run", "gs://bkt/tfds", check=False)
-  assert_error_exit(proc, "config.data.data_dir=gs://bkt/tfds", "Cloud Storage FUSE")
+  line = assert_error_exit(proc, "config.data.data_dir=gs://bkt/tfds", "Cloud Storage FUSE")
+  doc, section = re.search(r'\((docs/\w+\.md) "([^"]+)"\)', line).groups()  # the pointer names a real section
+  with open(os.path.join(ROOT, doc)) as f:
+    assert f"## {section}\n" in f.read(), (doc, section)
   assert not gcs.objects("bkt", "data-run/checkpoints/")  # refused before anything was written
   assert not os.path.exists(os.path.join(ROOT, "s4:")) and not os.path.exists(os.path.join(ROOT, "gs:"))
 
@@ -155,19 +160,32 @@ def test_the_bucket_lease_refuses_a_second_run_and_frees_a_dead_ones(gcs, tfds_d
 
 
 _PROBE_RACE = """
-import sys
+import sys, time
 from hnclip_jax import paths, storage
-errors = []
-for _ in range(100):
-  try:
-    if sys.argv[1] == "probe":
+errors, seen, listings = [], 0, 0
+deadline = time.monotonic() + 120
+# The loops overlap by construction: the prober starts once the lister has, the lister lists until the prober is
+# done (the two markers lie outside checkpoints/).
+if sys.argv[1] == "probe":
+  while not paths.exists("gs://bkt/race/listing") and time.monotonic() < deadline:
+    time.sleep(0.01)
+  for _ in range(100):
+    try:
       storage.check_writable("gs://bkt/race/checkpoints", "the checkpoint directory")
-    else:
+    except Exception as e:
+      errors.append(f"{type(e).__name__}: {e}")
+  paths.write_text("gs://bkt/race/probed", "")
+else:
+  paths.write_text("gs://bkt/race/listing", "")
+  while (listings < 100 or not paths.exists("gs://bkt/race/probed")) and time.monotonic() < deadline:
+    listings += 1
+    try:
       names = paths.listdir("gs://bkt/race/checkpoints")
       assert all(n.startswith(".write-probe-") for n in names), names
-  except Exception as e:
-    errors.append(f"{type(e).__name__}: {e}")
-print(len(errors), errors[:1])
+      seen += bool(names)
+    except Exception as e:
+      errors.append(f"{type(e).__name__}: {e}")
+print(len(errors), seen, listings, errors[:1])
 """
 
 
@@ -182,6 +200,8 @@ def test_listing_a_prefix_whose_last_object_goes_meanwhile_is_empty_not_an_error
   outs = [p.communicate(timeout=300) for p in procs]
   assert [p.returncode for p in procs] == [0, 0], outs
   assert [out.split(" ", 1)[0] for out, _ in outs] == ["0", "0"], outs
+  seen, listings = (int(x) for x in outs[1][0].split()[1:3])
+  assert seen > 0 and listings >= 100, outs  # the lister saw probes come and go: the loops did overlap
 
 
 @pytest.mark.long  # a repeat or a benchmark script's smoke run: `-m long`, run by .ci/run (docs/testing.md)
@@ -351,5 +371,6 @@ def test_clustered_batches_store_their_index_in_the_bucket_and_a_resume_reads_it
   first = bucket_rows(gcs, "clustered/metrics.jsonl")
   again = train(gcs, "gs://bkt/clustered", tfds_dir, *args[:1], "--config.total_steps=6",
                 "--config.checkpoint_every=2")
-  assert "resumed from" in again.stdout and "clustered batches:" in again.stdout
+  assert "resumed from gs://bkt/clustered/checkpoints/4 (step 4)" in again.stdout, again.stdout[-2000:]
+  assert "clustered batches:" in again.stdout
   assert bucket_rows(gcs, "clustered/metrics.jsonl")[:len(first)] == first

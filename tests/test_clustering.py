@@ -6,11 +6,12 @@ import json
 import os
 import pickle
 import re
+import signal
 
 import numpy as np
 import pytest
 
-from conftest import metrics_rows, run_py
+from conftest import assert_error_exit, metrics_rows, run_py
 from hnclip_jax.data import clustering, pipeline
 
 
@@ -114,12 +115,17 @@ def test_train_py_clustered_batches_resume_exactly(tmp_path, tfds_dir):
   assert crowd > spread, line
   meta = json.load(open(tmp_path / "whole" / "batching" / "caption_index.json"))
   assert meta["examples"] == 128 and meta["built_from"].startswith("initial parameters")
-  killed = run_py([*args, "--workdir", str(tmp_path / "resumed")], env_extra={"HNCLIP_FAULT": "kill_after_saves@3"},
-                  check=False)
-  assert killed.returncode != 0
-  run_py([*args, "--workdir", str(tmp_path / "resumed")])
-  assert metrics_rows(str(tmp_path / "resumed")) == metrics_rows(str(tmp_path / "whole"))
-  # the index is read back, never rebuilt; without it a resume is refused
-  os.remove(tmp_path / "resumed" / "batching" / "caption_index.npy")
-  proc = run_py([*args, "--config.total_steps=8", "--workdir", str(tmp_path / "resumed")], check=False)
-  assert proc.returncode == 2 and "caption_index.npy is missing" in proc.stderr
+  resumed = tmp_path / "resumed"
+  killed = run_py([*args, "--workdir", str(resumed)], env_extra={"HNCLIP_FAULT": "kill_after_saves@3"}, check=False)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+  assert sorted(os.listdir(resumed / "checkpoints")) == ["2"]  # the kill came after step 3: checkpoint 2 survived
+  index_file = resumed / "batching" / "caption_index.npy"
+  written = (index_file.read_bytes(), index_file.stat().st_mtime_ns)
+  again = run_py([*args, "--workdir", str(resumed)])
+  assert f"resumed from {resumed}/checkpoints/2 (step 2)" in again.stdout, again.stdout[-2000:]
+  assert metrics_rows(str(resumed)) == metrics_rows(str(tmp_path / "whole"))
+  # the index is read back, never rebuilt (the same bytes, never rewritten); without it a resume is refused
+  assert (index_file.read_bytes(), index_file.stat().st_mtime_ns) == written
+  os.remove(index_file)
+  proc = run_py([*args, "--config.total_steps=8", "--workdir", str(resumed)], check=False)
+  assert_error_exit(proc, "caption_index.npy is missing")

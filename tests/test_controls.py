@@ -159,10 +159,12 @@ def test_hn_nce_matches_its_equation_in_float64(beta):
   v, t = _emb(4)
   want = (np_hn_nce(v, t, S, beta), np_grad(lambda x: np_hn_nce(x, t, S, beta), v),
           np_grad(lambda x: np_hn_nce(v, x, S, beta), t))
-  close(ours(v, t, gamma=0.0, hn_nce_beta=beta), want, rtol=3e-5)
-  # β = 0 is InfoNCE: the weights are all 1
+  close(ours(v, t, gamma=0.0, hn_nce_beta=beta), want, rtol=3e-5)  # the check against the reference
+  # Two consistency checks, not references: the float64 equation with β = 0 (weights all 1) is the float64 margin
+  # loss with a zero margin, i.e. InfoNCE (the reference agrees with itself) ...
   plain = np_margin_loss(v, t, S, np.zeros((B, B)))[0]
   assert abs(np_hn_nce(v, t, S, 0.0) - plain) < 1e-12
+  # ... and our HN-NCE path at β = 0 gives what our plain cross-entropy path gives (two of our own code paths).
   is_pos = jnp.eye(B, dtype=bool)
   logits = jnp.asarray(S * (v @ t.T))
   np.testing.assert_allclose(losses.hn_nce(logits, is_pos, 0.0), losses._cross_entropy(logits, is_pos), rtol=1e-6)

@@ -10,7 +10,7 @@ from PIL import Image
 
 from hnclip_jax.data import builders, pipeline
 from hnclip_jax.frameworks.segments import segments_of
-from conftest import run_py
+from conftest import assert_error_exit, run_py
 
 
 def image_bytes(seed, fmt="JPEG", size=(20, 16)):
@@ -315,7 +315,7 @@ def test_train_and_eval_on_pairs_from_scratch(tmp_path, tfds_dir):
   assert f"data: pairs from {m} (recorded in {w}/data.json" in again.stdout and "resumed from" in again.stdout
   # Contradicting the recorded data on resume is refused; for eval it is another evaluation, kept beside the first.
   refused = run_py(["train.py", *base, "--config.data.name=synthetic"], check=False)
-  assert refused.returncode == 2 and "config.data.name='synthetic' (the workdir's: 'pairs')" in refused.stderr
+  assert_error_exit(refused, "config.data.name='synthetic' (the workdir's: 'pairs')")
   other = run_py(["eval.py", *base, "--config.data.name=synthetic", f"--config.data.data_dir={tfds_dir}"])
   assert f"not the data it was trained on, pairs from {m}" in other.stdout
   assert json.load(open(w / "eval_results.json"))["dataset"] == "synthetic"

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import CACHE, ROOT, _env, run_entry, run_py
+from conftest import CACHE, ROOT, _env, assert_error_exit, run_entry, run_py
 from hnclip_jax import config as config_lib
 from hnclip_jax.evaluation import benchmarks as bench_lib
 
@@ -163,7 +163,7 @@ def test_table_one_from_one_command(reference, tfds_dir, tmp_path, monkeypatch):
     assert tab["average"][d]["R@5"] == pytest.approx(np.mean([singles[n][d]["R@5"] for n in singles]))
   # A setting that does not apply with --benchmarks is refused before anything is evaluated.
   refused = run_entry("eval.py", ["--config", str(cfg), "--workdir", work, "--benchmarks=docci", "--split=train"])
-  assert refused.returncode == 2 and "--split=train with --benchmarks" in refused.stderr
+  assert_error_exit(refused, "--split=train with --benchmarks")
 
 
 def _popen(args, log, env_extra=None):

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, _env, listing, metrics_rows, run_py
+from conftest import ROOT, _env, assert_error_exit, listing, metrics_rows, run_py
 
 BASE = ["train.py", "--config", "configs/demo.py:test", "--config.total_steps=8", "--config.checkpoint_every=2",
         "--config.log_every=1", "--config.eval_every=100", "--config.max_to_keep=10"]
@@ -118,10 +118,8 @@ def test_an_optimizer_change_on_resume_stops_and_changes_nothing(tmp_path, tfds_
   workdir = _copy(reference, tmp_path)
   before = listing(workdir)
   proc = train(workdir, tfds_dir, "--config.total_steps=10", *change, check=False)
-  assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-  err = proc.stderr.strip().splitlines()[-1]  # above it: library warnings (TFDS's custom-config notice)
-  assert err.startswith(f"error: {workdir}/checkpoints/8 cannot be resumed with this config")
-  assert named in err and f"--config.init_from={workdir} --workdir NEW_DIR" in err
+  err = assert_error_exit(proc, named, f"--config.init_from={workdir} --workdir NEW_DIR")  # above it: library warnings
+  assert err.startswith(f"error: {workdir}/checkpoints/8 cannot be resumed with this config"), err
   assert listing(workdir) == before  # checkpoints, metrics.jsonl, everything as it was
   assert not (workdir / "checkpoints_damaged").exists()
 
@@ -168,8 +166,7 @@ def test_sigterm_checkpoints_and_exits(tmp_path, tfds_dir):
 
 def test_nonfinite_stops_with_last_good_checkpoint(tmp_path, tfds_dir):
   proc = train(tmp_path, tfds_dir, fault="nan@3", check=False)
-  assert proc.returncode == 2
-  assert "non-finite loss or gradient at step 3" in proc.stderr and f"{tmp_path}/checkpoints/2" in proc.stderr
+  assert_error_exit(proc, "non-finite loss or gradient at step 3", f"{tmp_path}/checkpoints/2")
   assert steps(tmp_path) == [2]
 
 
@@ -183,8 +180,7 @@ def test_nonfinite_skip_counts_and_continues(tmp_path, tfds_dir):
 
 def test_failed_save_keeps_earlier_checkpoints(tmp_path, tfds_dir, reference):
   proc = train(tmp_path, tfds_dir, fault="save_fails@4", check=False)
-  assert proc.returncode == 2
-  assert f"writing checkpoint {tmp_path}/checkpoints/4 failed" in proc.stderr and "No space left" in proc.stderr
+  assert_error_exit(proc, f"writing checkpoint {tmp_path}/checkpoints/4 failed", "No space left")
   assert steps(tmp_path) == [2]
   train(tmp_path, tfds_dir)  # space is back: resume from 2 and finish exactly
   assert_identical_to(reference, tmp_path)
@@ -197,14 +193,14 @@ def test_second_run_on_same_workdir_is_refused(tmp_path, tfds_dir):
     proc = train(tmp_path, tfds_dir, check=False)
   finally:
     lock.release()
-  assert proc.returncode == 2 and f"another train.py (pid {os.getpid()}) is already running" in proc.stderr
+  assert_error_exit(proc, f"another train.py (pid {os.getpid()}) is already running")
 
 
 def test_workdir_that_is_a_file(tmp_path, tfds_dir):
   f = tmp_path / "file"
   f.write_text("x")
   proc = train(f, tfds_dir, check=False)
-  assert proc.returncode == 2 and "is a file" in proc.stderr
+  assert_error_exit(proc, f"{f}", "is a file")
 
 
 def _layout(d, f, t):
@@ -264,11 +260,8 @@ def test_restore_onto_data_8(tmp_path, tfds_dir, reference):
 def _error_line(proc):
   """The one line a failed run ends with; above it only one-line library warnings (no traceback reaches the
   console: they are in WORKDIR/debug.log)."""
-  assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-  assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stderr[-3000:]
-  lines = proc.stderr.strip().splitlines()
-  assert lines[-1].startswith("error: ") and not any(line.startswith("error: ") for line in lines[:-1])
-  return lines[-1]
+  assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
+  return assert_error_exit(proc)
 
 
 def test_full_disk_stops_at_once_and_a_rerun_ends_bit_identical(tmp_path, tfds_dir, reference, request):

@@ -6,7 +6,7 @@ import ml_collections
 import pytest
 
 from hnclip_jax import config as config_lib, sharding
-from conftest import run_py
+from conftest import assert_error_exit, run_py
 
 
 _RESULTS = {}
@@ -312,7 +312,7 @@ def test_hybrid_mesh_granules_and_errors():
 def test_layout_errors_before_compiling(tmp_path, override, message):
   proc = run_py(["train.py", "--config", "configs/demo.py:test", "--workdir", str(tmp_path), *override],
                 devices=8, check=False)
-  assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-3000:]
+  assert_error_exit(proc, message)
 
 
 @group("plugin")

@@ -103,7 +103,7 @@ def check_data_config(data_config) -> None:
                        "file system (grain's ArrayRecordDataSource; its reader opens no URLs), so the data cannot be "
                        "read from a bucket. Copy the build to a local disk (gcloud storage cp -r "
                        f"{where} /data/tfds) and pass that directory, or mount the bucket with Cloud Storage FUSE "
-                       "(docs/reliability.md \"Buckets\")")
+                       "(docs/buckets.md \"Data stays on a local disk (or a FUSE mount)\")")
   if data_config.get("batching", "random") not in clustering.BATCHINGS:
     raise ValueError(f"config.data.batching={data_config.batching!r}; choose one of {list(clustering.BATCHINGS)}")
   if data_config.on_bad_example not in ("error", "skip"):
@@ -119,11 +119,11 @@ def check_data_config(data_config) -> None:
     how = tfds.builder_cls(tfds_name).MANUAL_DOWNLOAD_INSTRUCTIONS
     if not data_config.manual_dir:
       raise ValueError(f"config.data.name={data_config.name!r} is built from files you download by hand: set "
-                       f"config.data.manual_dir.\n{how}")
+                       f"config.data.manual_dir (what it must hold: above)\n{how}")
     path = os.path.abspath(os.path.expanduser(data_config.manual_dir))
     if not os.path.isdir(path):
       raise FileNotFoundError(f"config.data.manual_dir={data_config.manual_dir!r}: {path} is not a directory. "
-                              f"Download the data by hand and point manual_dir at it:\n{how}")
+                              f"Download the data by hand and point manual_dir at it (what it must hold: above)\n{how}")
 
 
 _reported: set = set()

@@ -173,7 +173,8 @@ class _ManualPairs(tfds.core.GeneratorBasedBuilder):
   def _split_generators(self, dl_manager):
     manual_dir = str(dl_manager.manual_dir)
     if not os.path.isdir(manual_dir):
-      raise FileNotFoundError(f"{self.name}: manual directory {manual_dir} does not exist.\n"
+      raise FileNotFoundError(f"{self.name}: manual directory {manual_dir} does not exist (what it must hold: "
+                              "above)\n"
                               f"{self.MANUAL_DOWNLOAD_INSTRUCTIONS}")
     self._skipped = []
     splits = self._pairs(manual_dir)
@@ -220,7 +221,8 @@ class _ManualPairs(tfds.core.GeneratorBasedBuilder):
 
 def _need(path: str, builder) -> str:
   if not os.path.exists(path):
-    raise FileNotFoundError(f"{builder.name}: {path} is missing.\n{builder.MANUAL_DOWNLOAD_INSTRUCTIONS}")
+    raise FileNotFoundError(f"{builder.name}: {path} is missing (what the folder must hold: above)\n"
+                            f"{builder.MANUAL_DOWNLOAD_INSTRUCTIONS}")
   return path
 
 
