@@ -68,8 +68,8 @@ def matmul_flops(compiled) -> float:
   """Matmul FLOPs of one execution of a compiled program, every loop iteration counted (the HLO walk
   tools/compile_for uses; `compiled.cost_analysis()` counts a scan or while body once, so a chunked or tiled term,
   gradient accumulation or the token term's blocks are under-counted by their trip counts)."""
-  from hnclip_jax.tools import compile_for
-  return compile_for.matmul_flops(compiled.as_text())
+  from hnclip_jax import hlo
+  return hlo.matmul_flops(compiled.as_text())
 
 
 def token_term_forward_flops(batch: int, patches: int, tokens: int, dim: int) -> float:
@@ -92,10 +92,10 @@ def dump(path, obj):
 
 
 def make_step(cfg, gamma: float, mesh, opt_overrides=None, loss_overrides=None, grad_accum_steps: int = 1):
-  """The train step train.py runs (train_step.build_program of an experiment.Run) for model config `cfg` on `mesh`,
+  """The train step train.py runs (train_step.build_program of a run.Run) for model config `cfg` on `mesh`,
   with config.loss.gamma = gamma and the given config.optimizer / config.loss overrides -> (step, tx, state
   shardings, graphdef, run config)."""
-  from hnclip_jax import experiment, train_step
+  from hnclip_jax import run, train_step  # not experiment: no data packages for a step on random inputs
   from hnclip_jax.config import base_config
   run_cfg = base_config()
   run_cfg.total_steps = 1000
@@ -103,7 +103,7 @@ def make_step(cfg, gamma: float, mesh, opt_overrides=None, loss_overrides=None, 
                                    grad_clip_norm=1.0), **(opt_overrides or {})})
   run_cfg.loss.update({"gamma": gamma, "chunk_size": 0, "negatives": "global_batch", **(loss_overrides or {})})
   run_cfg.grad_accum_steps = grad_accum_steps
-  program = train_step.build_program(experiment.Run.of(run_cfg, cfg, mesh))
+  program = train_step.build_program(run.Run.of(run_cfg, cfg, mesh))
   return program.step, program.tx, program.shardings, program.graphdef, run_cfg
 
 

@@ -1,6 +1,7 @@
-"""One resolved run: `resolve(config, workdir, purpose)` turns the flags into a frozen `Run` — config, model config,
-tokenizer, framework, objective, mesh, data — which train.py, eval.py, tools/compile_for, benchmarks/replicate.py
-and the benchmarks take from there (`Run.of` builds one from parts a test or benchmark makes itself). The pieces it
+"""Resolving a run: `resolve(config, workdir, purpose)` turns the flags into a frozen `Run` (hnclip_jax/run.py) —
+config, model config, tokenizer, framework, objective, mesh, data — which train.py, eval.py, tools/compile_for,
+benchmarks/replicate.py and the benchmarks take from there (`Run.of` builds one from parts a test or benchmark
+makes itself; `experiment.Run` is the same class). The pieces it
 is made of are here too: the data (and what the workdir recorded of it), the model config and its start (pretrained
 weights, adapters, a framework's modules), the tokenizer, epoch settings, and checkpoint-compatibility errors.
 Process set-up is in `hnclip_jax.cli`, eval embedding in `hnclip_jax.evaluation.embedding`."""
@@ -21,62 +22,10 @@ from hnclip_jax.data import builders, pipeline
 from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.config import FRAMEWORK_FIELDS, RUNTIME_FIELDS, adapter_fields, framework_fields
 from hnclip_jax.models import CLIPConfig, adapters
-from hnclip_jax.objective import Objective
+from hnclip_jax.run import PURPOSES, Run  # noqa: F401 (experiment.Run: the resolved run)
 from hnclip_jax.workdir import DATA_LOCATION_KEYS, Workdir, check_model_compatible, config_changes
 
-PURPOSES = ("train", "eval", "compile")
 CLIP_BPE_VOCAB = 49408  # the CLIP BPE tokenizer's vocabulary: what a compile without data or weights assumes
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Run:
-  """One resolved run. `config` is frozen (validated, its data and epoch-given settings resolved); `model` the
-  architecture with this run's compute settings; `framework` the resolved config.framework (None for "longclip");
-  `objective` the loss (None for eval); `sources` the data sources a train run reads ({"train", "eval"});
-  `init_params` a fine-tuning start's weights (train, first start only); `lock` the workdir's single-writer guard
-  (train; release it when the run ends)."""
-  purpose: str
-  config: ml_collections.ConfigDict
-  model: CLIPConfig
-  mesh: jax.sharding.Mesh
-  rules: tuple
-  framework: object
-  objective: Objective | None
-  tokenizer: object = None
-  workdir: str | None = None
-  wd: Workdir | None = None
-  data_note: str = ""
-  sources: dict = dataclasses.field(default_factory=dict)
-  init_params: object = dataclasses.field(default=None, repr=False)
-  lock: object = dataclasses.field(default=None, repr=False)
-
-  @classmethod
-  def of(cls, config, model: CLIPConfig, mesh, *, purpose: str = "compile", rules=None, **rest) -> "Run":
-    """A run from parts already resolved (`config` as given, not copied: a test may watch what is read of it):
-    the framework and the objective are derived here, the model-, mesh- and framework-dependent checks made."""
-    if purpose not in PURPOSES:
-      raise ValueError(f"purpose={purpose!r}; one of {PURPOSES}")
-    rules = sharding.parse_rules(config.mesh.rules) if rules is None else rules
-    fw = frameworks.resolve(frameworks.check_name(config))
-    objective = None
-    if purpose != "eval":
-      objective = Objective.from_config(config.loss, config)
-      sharding.check_batch_size(config.batch_size, mesh)
-      train_step.check_accumulation(config, mesh)
-      sharding.check_model_fits(model, mesh, rules)
-      objective.check(model)
-    run = cls(purpose, config, model, mesh, rules, fw, objective, **rest)
-    if purpose != "eval":
-      run.input_specs()  # a framework's input names
-    return run
-
-  def hook(self, name: str):
-    """The run's framework's hook `name` (base.Framework), None when it has none."""
-    return frameworks.hook_of(self.framework, name)
-
-  def input_specs(self) -> dict:
-    """The framework's per-example inputs {name: (shape, dtype)} ({} for none); raises on a core batch key's name."""
-    return frameworks.input_specs(self.config, self.model)
 
 
 def resolve(config, workdir: str | None, purpose: str, *, overrides: dict | None = None, devices=None) -> Run:

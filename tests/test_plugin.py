@@ -142,8 +142,6 @@ def test_the_contract_refuses_a_misspelled_hook_other_arguments_and_a_key_that_d
   for hook, signature in base.HOOKS.items():
     params = ", ".join(p for p in signature.parameters)
     assert documented[hook] == f"{hook}({params})", (documented[hook], signature)
-  from hnclip_jax.data.pipeline import BATCH_KEYS
-  assert tuple(base.BATCH_KEYS) == BATCH_KEYS
   for key, what in (*base.BATCH_KEYS.items(), *base.OUTPUT_KEYS.items()):
     assert f"| `{key}` | {what} |" in doc
   # A misspelled hook (`objectives`): without the check the run would train plain L_HN and say nothing.

@@ -1,10 +1,11 @@
 """grain input pipelines: deterministic, resumable training batches and padded eval batches."""
 from __future__ import annotations
 
-
 import grain
 import numpy as np
 from PIL import Image
+
+from hnclip_jax.frameworks.base import BATCH_KEYS  # the core's batch entries; a framework's inputs take other names
 
 
 # OpenAI CLIP's pixel statistics (RGB, [0, 1] scale).
@@ -89,10 +90,6 @@ def caption_choice(seed: int, step: int, index: int, num_captions: int) -> int:
   if num_captions == 1:
     return 0
   return int(np.random.default_rng([seed, step, index]).integers(num_captions))
-
-
-# The core's entries of a training batch; a framework's own inputs (`extra`) take other names.
-BATCH_KEYS = ("image", "tokens", "index")
 
 
 class _Preprocess(grain.transforms.Map):

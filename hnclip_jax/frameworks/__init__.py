@@ -17,8 +17,7 @@ import importlib
 
 import ml_collections
 
-from hnclip_jax.data.pipeline import BATCH_KEYS
-from hnclip_jax.frameworks.base import HOOKS, Context, Framework, Score, Term, check_framework
+from hnclip_jax.frameworks.base import BATCH_KEYS, HOOKS, Context, Framework, Score, Term, check_framework
 
 # config.framework -> the module of a built-in framework ("longclip": L_HN alone, no module).
 REGISTRY = {"longclip": None, "finelip": "hnclip_jax.frameworks.finelip", "goal": "hnclip_jax.frameworks.goal",
