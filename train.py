@@ -34,7 +34,6 @@ def main(argv):
   from hnclip_jax.evaluation import embedding
   from hnclip_jax.evaluation.retrieval import NonFiniteEmbeddings
   from hnclip_jax.metrics import MetricsWriter, Progress, StepProfiler, Throughput, log, quiet_libraries
-  from hnclip_jax.models import init_params
   from hnclip_jax.workdir import check_model_compatible, config_changes
 
   # ---- The resolved run: config, workdir (held), data, model, tokenizer, framework, objective, mesh -------------
@@ -72,11 +71,10 @@ def main(argv):
     log(f"resumed from {ckpt.directory}/{latest} (step {latest})" +
         (f"; settings changed since that checkpoint: {', '.join(changed)}" if changed else ""))
   elif init_from_params is not None:  # fine-tuning start: given weights, fresh optimizer, step 0
-    state = jax.jit(lambda p: train_step.init_state(p, tx), out_shardings=shardings)(init_from_params)
+    state = train_step.initial_state(tx, shardings, params=init_from_params)
     log(f"initialised from {config.init_from}")
   else:
-    state = jax.jit(lambda: train_step.init_state(init_params(model_cfg, config.seed)[1], tx),
-                    out_shardings=shardings)()
+    state = train_step.initial_state(tx, shardings, model_cfg=model_cfg, seed=config.seed)
   if latest is None and program.frozen is not None:
     ckpt.save_frozen(state["params"])  # once: checkpoints then hold only what trains, and reference these
     log(f"frozen parameters stored once in {ckpt.frozen_dir}")

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# One prepared run of benchmarks 1, 3, 4 (N = 1M), 5, the token term's and each framework's step cost, a profiler
-# trace of three ViT-B/16 steps, on whatever accelerator JAX sees. Results (JSON + the printed tables) go to
-# ${OUT:-accelerator_results}/; stages.tsv lists every stage with its exit code and seconds.
+# One prepared run on whatever accelerator JAX sees: first a smoke run of a few seconds (benchmarks/smoke.py: the
+# stack's versions, every import, two tiny train steps and a checkpoint restore; when it fails the script stops
+# there with one line naming what failed), then the numbers users compare first — the ViT-L/14 train step at λ = 0
+# and 1, bf16, the largest batch that fits (benchmarks/vit_l_step.py, each compile's time printed as it ends) —
+# then benchmarks 1, 3, 4 (N = 1M), 5, the token term's and each framework's step cost, a profiler trace of three
+# ViT-B/16 steps. Results (JSON + the printed tables) go to ${OUT:-accelerator_results}/; stages.tsv lists every
+# stage with its exit code and seconds.
 #   bash benchmarks/accelerator.sh            # full sizes
 #   bash benchmarks/accelerator.sh --quick    # CPU-sized smoke run (what the tests run)
 # A lent accelerator is short-lived: the stages run most-wanted first, a failed stage does not stop the ones after it
@@ -32,11 +36,13 @@ stage() {  # stage NAME OUTFILE CMD...: runs CMD, tees it to OUTFILE, records rc
   if [[ "$rc" -ne 0 ]]; then echo "stage $name failed (exit $rc)"; failed=1; fi
 }
 if [[ "${1:-}" == "--quick" ]]; then
+  vitl=(--model tiny --text_context 77 --batches 32,16 --reps 2 --dtype float32)
   steps=(--models tiny --batch tiny=16 --reps 2); mem=(--memory_only tiny --batch tiny=16)
   retr=(--sizes 2000 --methods hnclip --argsort_max 0); loss=(--batches 512,1024 --chunk 64 --dim 64 --devices 2)
   # one framework next to the reference (StructXLIP: the only one whose batch differs, 5 images per example)
   tok=(--models tiny --batch tiny=16 --reps 2); fw=(--models tiny --batch tiny=16 --reps 2 --frameworks structxlip)
 else
+  vitl=(--batches auto --reps 5)
   steps=(--models tiny,vit_b16 --batch tiny=1024,vit_b16=256 --reps 10 --peak_n 8192); mem=(--memory_only vit_l14 --batch vit_l14=256)
   retr=(--sizes 100000,1000000 --methods hnclip --argsort_max 0)
   loss=(--batches 1024,4096,16384,65536 --chunk 256 --dim 768 --devices 1)
@@ -45,6 +51,14 @@ else
 fi
 python -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/devices.txt"
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null || true; } >> "$out/devices.txt"
+stage smoke "$out/smoke.txt" python benchmarks/smoke.py
+smoke_rc="$(tail -n 1 "$out/stages.tsv" | cut -f2)"
+if [[ "$smoke_rc" =~ ^[0-9]+$ && "$smoke_rc" != 0 ]]; then  # the stack cannot run the project: nothing after can
+  cat "$out/stages.tsv"; tail -n 1 "$out/smoke.txt"; exit 1
+fi
+# JAX takes 75 % of a GPU's memory by default: ViT-L/14 at batch 128 (61 GB) would not fit an H100's share.
+stage vit_l_step "$out/vit_l_step.txt" env XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}" \
+  python benchmarks/vit_l_step.py "${vitl[@]}" --json "$out/vit_l_step.json"
 # Step time, margin overhead and MFU, then a profiler trace of three steps of the last model (benchmark 3).
 stage step_time "$out/step_time.txt" python benchmarks/step_time.py "${steps[@]}" --json "$out/step_time.json" \
   --trace "$out/trace"

@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from benchmarks.common import (alternating_times, dump, make_step, matmul_flops, random_batch, table,  # noqa: E402
                                token_term_forward_flops)
 from hnclip_jax import diagnostics, hostmem, sharding, train_step  # noqa: E402
-from hnclip_jax.models import PRESETS, abstract_model, init_params  # noqa: E402
+from hnclip_jax.models import PRESETS, abstract_model  # noqa: E402
 from hnclip_jax.objective import Objective  # noqa: E402
 
 
@@ -65,7 +65,7 @@ def time_token_term():
     runs, flops = {}, {}
     for slot, lam in (("hn", 0.0), ("hn+tok", 1.0)):
       step, tx, sh, _, _ = make_step(cfg, 0.5, mesh, loss_overrides={"token_weight": lam})
-      state = jax.jit(lambda: train_step.init_state(init_params(cfg, 0)[1], tx), out_shardings=sh)()
+      state = train_step.initial_state(tx, sh, model_cfg=cfg)
       compiled = step.lower(state, batch).compile()
       flops[slot] = matmul_flops(compiled)
       if not a.flops_only:

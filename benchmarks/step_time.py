@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import (alternating_times, clip_train_flops, dump, make_step, matmul_flops,  # noqa: E402
                                peak_matmul_probe, table)
 from hnclip_jax import hostmem, sharding, train_step  # noqa: E402
-from hnclip_jax.models import PRESETS, abstract_model, init_params  # noqa: E402
+from hnclip_jax.models import PRESETS, abstract_model  # noqa: E402
 
 
 def build(cfg, batch, gamma, mesh):
@@ -97,7 +97,7 @@ def main():
       step, state_abs, sh, tx, batch_abs = build(cfg, b, gamma, mesh)
       t0 = time.perf_counter()
       state = jax.block_until_ready(
-          jax.jit(lambda: train_step.init_state(init_params(cfg, 0)[1], tx), out_shardings=sh)())
+          train_step.initial_state(tx, sh, model_cfg=cfg))
       progress(f"{name} batch {b}: state initialised", t0)
       t0 = time.perf_counter()
       compiled = step.lower(state, batch).compile()

@@ -118,7 +118,10 @@ def _bounded_gcs_class():
   import fsspec
   from gcsfs import retry as gcs_retry
   base = fsspec.get_filesystem_class("gcs")
-  undecorated = base._request.__wrapped__  # gcsfs' request without its retry decorator
+  # gcsfs' request without its retry decorator: a private detail of the pinned gcsfs. Another gcsfs (an image's own)
+  # may lack it: then its own retries stay (a dead server takes minutes to report, not seconds), the rest is the same.
+  undecorated = getattr(getattr(base, "_request", None), "__wrapped__", None)
+  retry_request = getattr(gcs_retry, "retry_request", None)
 
   async def request(self, *args, **kwargs):
     for delay in (*UNREACHABLE_RETRY_DELAYS_S, None):
@@ -137,8 +140,10 @@ def _bounded_gcs_class():
     base.__init__(self, *args, **kwargs)
 
   request.__name__ = "_request"
+  if undecorated is None or retry_request is None:
+    return type("UncachedGCSFileSystem", (base,), {"__init__": __init__})
   return type("BoundedRetryGCSFileSystem", (base,),
-              {"_request": gcs_retry.retry_request(retries=base.retries)(request), "__init__": __init__})
+              {"_request": retry_request(retries=base.retries)(request), "__init__": __init__})
 
 
 def configure_clients() -> None:

@@ -11,7 +11,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hnclip_jax import sharding
-from hnclip_jax.models import abstract_model, bind
+from hnclip_jax.models import abstract_model, bind, init_params
 from hnclip_jax.objective import GLOBAL_OUTPUTS, Objective
 from hnclip_jax.optim import (SCALE_PARAM, clamp_logit_scale, freeze_patterns, frozen_predicate, logit_scale_max,
                               lr_schedule, make_optimizer, param_path)
@@ -24,6 +24,23 @@ def init_state(params, tx) -> dict:
   """The train state: step, params, opt_state, and the count / first step of non-finite updates (skipped)."""
   return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
           "nonfinite_steps": jnp.zeros((), jnp.int32), "first_nonfinite_step": jnp.full((), -1, jnp.int32)}
+
+
+# Compiler options of the program that makes the initial state, by platform. XLA:GPU hands every kernel's PTX to
+# ptxas, whose optimiser needs minutes for the random-initialisation kernels of a large model (ViT-L/14: over 20 min
+# on 2 cores, 59 s without its optimisations; ViT-B/16 130 s -> 31 s; docs/benchmarks.md). The program runs once.
+INIT_COMPILER_OPTIONS = {"gpu": {"xla_gpu_disable_gpuasm_optimizations": True}}
+
+
+def initial_state(tx, shardings, *, model_cfg=None, seed: int = 0, params=None) -> dict:
+  """The train state at step 0, created on `shardings` by one jitted program: a fresh optimizer state over `params`
+  (a fine-tuning start) or over `model_cfg`'s parameters initialised from `seed`."""
+  platform = next(iter(jax.tree.leaves(shardings)[0].device_set)).platform
+  options = INIT_COMPILER_OPTIONS.get(platform)
+  if params is not None:
+    return jax.jit(lambda p: init_state(p, tx), out_shardings=shardings, compiler_options=options)(params)
+  return jax.jit(lambda: init_state(init_params(model_cfg, seed)[1], tx), out_shardings=shardings,
+                 compiler_options=options)()
 
 
 def check_accumulation(config, mesh) -> None:

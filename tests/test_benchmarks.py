@@ -27,6 +27,13 @@ def test_accelerator_script_quick_mode(tmp_path):
   # The margin's extra B×B product shows up in XLA's FLOP count (γ = 0 compiles without it), and it is small.
   assert 0 < steps["margin_xla_flops_pct"] < 1
   assert 0 < steps["MFU_pct"] < 100
+  smoke = open(tmp_path / "smoke.txt").read().strip().splitlines()
+  assert smoke[-1].startswith("smoke: ok") and any("two train steps ok" in x for x in smoke), smoke
+  assert any("a step from it equals a step from the saved state" in x for x in smoke), smoke
+  vitl = json.load(open(tmp_path / "vit_l_step.json"))["rows"]  # no memory limit on CPU: the largest candidate
+  assert [(r["lambda"], r["batch"]) for r in vitl] == [(0.0, 32), (1.0, 32)], vitl
+  assert all(r["step_s"] > 0 and r["compile_s"] > 0 and r["matmul_TFLOP"] > 0 for r in vitl), vitl
+  assert vitl[1]["matmul_TFLOP"] > vitl[0]["matmul_TFLOP"]  # the token term's work
   retr = json.load(open(tmp_path / "retrieval.json"))
   assert retr[0]["method"] == "hnclip" and retr[0]["n"] == 2000
   loss = json.load(open(tmp_path / "loss_memory.json"))
@@ -39,7 +46,8 @@ def test_accelerator_script_quick_mode(tmp_path):
     assert os.path.getsize(tmp_path / name) > 0
   # Every stage ran and succeeded, and the profiler trace holds the three annotated train steps.
   stages = [line.split("\t") for line in open(tmp_path / "stages.tsv").read().splitlines()[1:]]
-  assert [s[0] for s in stages] == ["step_time", "token_term", "frameworks", "retrieval", "loss_memory", "memory"]
+  assert [s[0] for s in stages] == ["smoke", "vit_l_step", "step_time", "token_term", "frameworks", "retrieval",
+                                    "loss_memory", "memory"]
   assert all(s[1] == "0" for s in stages), stages
   traces = glob.glob(str(tmp_path / "trace" / "plugins" / "profile" / "*" / "*.trace.json.gz"))
   assert len(traces) == 1 and glob.glob(str(tmp_path / "trace" / "plugins" / "profile" / "*" / "*.xplane.pb"))
@@ -55,7 +63,25 @@ def test_accelerator_script_reports_stages_its_time_budget_left_out(tmp_path):
                         text=True, timeout=300)
   assert proc.returncode == 1, proc.stdout[-2000:]
   stages = [line.split("\t") for line in open(tmp_path / "stages.tsv").read().splitlines()[1:]]
-  assert len(stages) == 6 and all(s[1] == "skipped (budget)" for s in stages), stages
+  assert len(stages) == 8 and all(s[1] == "skipped (budget)" for s in stages), stages
+
+
+def test_accelerator_script_stops_at_a_stack_that_cannot_run_the_project(tmp_path):
+  """The first stage imports what the project needs: a package that does not import with this JAX (simulated: a
+  flax that raises as flax 0.12.8 did under jax 0.11.2) stops the script at once, its last line naming the package
+  and the versions, and no later stage starts."""
+  fake = tmp_path / "site" / "flax"
+  fake.mkdir(parents=True)
+  (fake / "__init__.py").write_text("raise ImportError(\"cannot import name 'simulated' from 'jax._src.core'\")\n")
+  env = _env(1, {"OUT": str(tmp_path / "out"), "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{ROOT}"})
+  proc = subprocess.run(["bash", "benchmarks/accelerator.sh", "--quick"], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 1, proc.stdout[-2000:]
+  last = proc.stdout.strip().splitlines()[-1]
+  assert last.startswith("error: smoke: import flax (flax ") and "jax " in last and "Python 3." in last, last
+  assert "ImportError: cannot import name 'simulated'" in last, last
+  stages = [line.split("\t") for line in open(tmp_path / "out" / "stages.tsv").read().splitlines()[1:]]
+  assert stages[0][:2] == ["smoke", "1"] and len(stages) == 1, stages
 
 
 def test_stop_check_benchmark_runs(tmp_path):
