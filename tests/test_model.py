@@ -131,6 +131,23 @@ def test_long_context_preset_builds():
   assert params["text_positions"].shape == (248, 768)
 
 
+@pytest.mark.parametrize("changes", [{}, {"adapter": "lora", "adapter_rank": 4}, {"adapter": "dora", "adapter_rank": 4},
+                                     {"token_projection": "separate"}, {"family": "siglip", "logit_bias": True, "embed_dim": 32},
+                                     {"parts": "hnclip_jax.frameworks.finelip:model_parts",
+                                      "part_settings": (("hidden_ratio", 0.5), ("tokens", 4))}])
+def test_abstract_model_is_what_flax_builds(changes):
+  """abstract_model builds with shape-only rngs (nnx.Rngs made it quadratic in the model's size): the same graphdef
+  and parameter shapes and dtypes as the build with flax's own nnx.Rngs, for every family, adapter and part."""
+  from flax import nnx
+  from hnclip_jax.models.clip import CLIP, split_params
+  cfg = dataclasses.replace(CFG, **changes).validate()
+  g1, p1 = abstract_model(cfg)
+  g2, p2 = split_params(nnx.eval_shape(lambda: CLIP(cfg, rngs=nnx.Rngs(0))))
+  assert g1 == g2
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), p1) == jax.tree.map(lambda x: (x.shape, x.dtype), p2)
+  assert jax.tree.structure(p1) == jax.tree.structure(init_params(cfg, 0)[1])
+
+
 def test_config_validation_names_the_field():
   with pytest.raises(ValueError, match="vision_width=30 is not divisible by config.model.vision_heads=4"):
     CLIPConfig(**{**CFG.__dict__, "vision_width": 30}).validate()
