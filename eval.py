@@ -64,11 +64,11 @@ def main(argv):
   from hnclip_jax.data import builders
   from hnclip_jax.evaluation import benchmarks as bench_lib, embedding, job
   from hnclip_jax.metrics import log, quiet_libraries
-  from hnclip_jax.workdir import Workdir
+  from hnclip_jax.workdir import Workdir, resolve_path as resolve_workdir
 
   quiet_libraries()
   config_lib.validate(FLAGS.config)  # a bad setting first, before the workdir is looked at
-  workdir = paths.resolve(FLAGS.workdir, "--workdir")
+  workdir = resolve_workdir(FLAGS.workdir)
   if paths.isfile(workdir):
     raise ValueError(f"--workdir={workdir} is a file; pass the directory train.py wrote to")
   if FLAGS.watch and FLAGS.step is None:  # an eval job may start before the training job has set up its workdir

@@ -34,12 +34,12 @@ def main(argv):
   from hnclip_jax.evaluation import embedding
   from hnclip_jax.evaluation.retrieval import NonFiniteEmbeddings
   from hnclip_jax.metrics import MetricsWriter, Progress, StepProfiler, Throughput, log, quiet_libraries
-  from hnclip_jax.workdir import check_model_compatible, config_changes
+  from hnclip_jax.workdir import check_model_compatible, config_changes, resolve_path as resolve_workdir
 
   # ---- The resolved run: config, workdir (held), data, model, tokenizer, framework, objective, mesh -------------
   # (all checks before building data or compiling anything)
   quiet_libraries()
-  run = experiment.resolve(FLAGS.config, paths.resolve(FLAGS.workdir, "--workdir"), "train",
+  run = experiment.resolve(FLAGS.config, resolve_workdir(FLAGS.workdir), "train",
                            overrides=config_flags.get_override_values(FLAGS["config"]))
   config, workdir, wd, mesh, model_cfg, tokenizer = run.config, run.workdir, run.wd, run.mesh, run.model, run.tokenizer
   lock = run.lock

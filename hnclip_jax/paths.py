@@ -59,6 +59,14 @@ def resolve(path: str, flag: str = "path") -> str:
   return f"{s}://{rest}"
 
 
+def is_root(path: str) -> bool:
+  """Whether a resolved path is the top of its store: a bucket's root (gs://BUCKET) or the file system's (/)."""
+  path = str(path)
+  if is_url(path):
+    return "/" not in path.split("://", 1)[1].strip("/")
+  return os.path.dirname(path) == path
+
+
 def bucket(path: str) -> str:
   return str(path).split("://", 1)[1].split("/", 1)[0] if is_url(path) else ""
 

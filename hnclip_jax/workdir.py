@@ -125,6 +125,18 @@ def config_changes(saved: dict | None, config, *, bookkeeping: bool = False) -> 
   return out
 
 
+def resolve_path(path: str) -> str:
+  """--workdir resolved (paths.resolve) as a run directory: not the top of its store. A run writes checkpoints/,
+  metrics.jsonl, tensorboard/, best/ and a lease there; at a bucket's root they would lie among every other run's
+  objects and a second run could not be told apart. ValueError naming the flag."""
+  resolved = paths.resolve(path, "--workdir")
+  if paths.is_root(resolved):
+    raise ValueError(f"--workdir={path} is the root of its store: a run writes checkpoints/, metrics.jsonl, "
+                     f"tensorboard/ and more there, among whatever else it holds. Give the run a folder of its own, "
+                     f"e.g. --workdir={paths.join(resolved, 'RUN_NAME')}")
+  return resolved
+
+
 class Workdir:
   """A train.py workdir (see the module docstring). Reading never creates anything on disk."""
 

@@ -129,6 +129,10 @@ def test_what_a_bucket_cannot_do_is_refused_in_one_line(gcs, tfds_dir):
                tfds_dir, check=False)
   assert_error_exit(proc, "gs://bkt", "cannot be reached")
   assert time.monotonic() - start < 60
+  for root in ("gs://bkt", "gs://bkt/"):  # a bucket's root is no run directory: refused before anything is written
+    proc = train(gcs, root, tfds_dir, check=False)
+    assert_error_exit(proc, f"--workdir={root} is the root of its store", "--workdir=gs://bkt/RUN_NAME")
+  assert not [n for n in gcs.objects("bkt") if n.startswith(("checkpoints/", "metrics.jsonl", ".lease", "model"))]
   proc = train(gcs, "gs://bkt/data-run", "gs://bkt/tfds", check=False)
   line = assert_error_exit(proc, "config.data.data_dir=gs://bkt/tfds", "Cloud Storage FUSE")
   doc, section = re.search(r'\((docs/\w+\.md) "([^"]+)"\)', line).groups()  # the pointer names a real section
@@ -136,6 +140,32 @@ def test_what_a_bucket_cannot_do_is_refused_in_one_line(gcs, tfds_dir):
     assert f"## {section}\n" in f.read(), (doc, section)
   assert not gcs.objects("bkt", "data-run/checkpoints/")  # refused before anything was written
   assert not os.path.exists(os.path.join(ROOT, "s4:")) and not os.path.exists(os.path.join(ROOT, "gs:"))
+
+
+@pytest.mark.long  # a repeat on a bucket of test_eval_jobs' watcher started before training: `-m long`
+def test_a_watcher_started_before_training_on_a_bucket_evaluates_every_checkpoint(gcs, tfds_dir, tmp_path):
+  """eval.py --watch started before train.py on a bucket workdir: it waits for model.json and for the checkpoint
+  directory, which on a bucket exists only once the first checkpoint lands (it ended with 'no checkpoints in
+  gs://bkt/early/checkpoints; train first' as soon as model.json appeared), then evaluates every checkpoint and
+  exports the best."""
+  log = tmp_path / "watch.log"
+  with open(log, "w") as f:
+    watcher = subprocess.Popen([sys.executable, "eval.py", "--config", "configs/demo.py:test", "--workdir",
+                                "gs://bkt/early", "--watch", "--watch_poll_s=0.5", "--watch_timeout_s=240"],
+                               cwd=ROOT, env=_env(1, gcs.env), stdout=f, stderr=subprocess.STDOUT, text=True)
+  try:
+    end = time.monotonic() + 120
+    while "waiting for train.py to set up gs://bkt/early" not in log.read_text():
+      assert watcher.poll() is None and time.monotonic() < end, log.read_text()[-2000:]
+      time.sleep(0.2)
+    train(gcs, "gs://bkt/early", tfds_dir, "--config.total_steps=4")
+    assert watcher.wait(timeout=300) == 0, log.read_text()[-3000:]
+  finally:
+    watcher.kill()
+  out = log.read_text()
+  assert "evaluated steps [2, 4]" in out, out[-2000:]
+  assert [r["step"] for r in bucket_rows(gcs, "early/eval_history.jsonl") if r.get("job") == "watch"] == [2, 4]
+  assert "early/best/best.json" in gcs.objects("bkt", "early/best/")
 
 
 def test_the_bucket_lease_refuses_a_second_run_and_frees_a_dead_ones(gcs, tfds_dir):

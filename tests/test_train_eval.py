@@ -220,6 +220,17 @@ def test_paths_are_checked_before_any_data_is_built(tmp_path, override, message)
 
 
 @CONFIG_CHECKS
+def test_the_top_of_a_store_is_no_workdir():
+  """A run directory of its own, never the file system's (or a bucket's: train.py in test_buckets) root. train.py
+  is not run at / here: on a break it would train into the machine's root."""
+  from hnclip_jax.workdir import resolve_path
+  with pytest.raises(ValueError, match=r"--workdir=/ is the root of its store.*--workdir=/RUN_NAME"):
+    resolve_path("/")
+  assert resolve_path("/tmp/x/") == "/tmp/x"
+  proc = run_entry("eval.py", ["--config", CONFIG, "--workdir", "/"])
+  assert_error_exit(proc, "--workdir=/ is the root of its store", "--workdir=/RUN_NAME")
+
+
 def test_eval_of_a_directory_without_checkpoints_changes_nothing(tmp_path):
   (tmp_path / "notes.txt").write_text("x")
   proc = run_entry("eval.py", ["--config", CONFIG, "--workdir", str(tmp_path)])

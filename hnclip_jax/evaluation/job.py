@@ -204,16 +204,21 @@ def watched_steps(rows: list[dict], benchmarks: list, score: str) -> set[int]:
 
 
 def wait_for_run(workdir: str, poll_s: float, timeout_s: float, clock=time.monotonic, sleep=time.sleep) -> None:
-  """Waits until train.py has set up `workdir` (its model.json, written before the first step); raises after
+  """Waits until train.py has set up `workdir`: its model.json (written before the first step) and its checkpoint
+  directory (on a bucket a prefix exists only once an object is under it: the first checkpoint). Raises after
   timeout_s."""
-  path, start, said = paths.join(workdir, "model.json"), clock(), False
-  while not paths.exists(path):
+  wd, start, said = Workdir(workdir), clock(), False
+  while True:
+    missing = [p for p in (wd.model_json, wd.checkpoints) if not (paths.isdir(p) if p == wd.checkpoints
+                                                                   else paths.exists(p))]
+    if not missing:
+      return
     if clock() - start > timeout_s:
       raise FileNotFoundError(f"no training run appeared in --workdir={workdir} within {timeout_s:g} s "
-                              f"(--watch_timeout_s): {path} is missing. Start train.py with that --workdir, or check "
-                              "the path")
+                              f"(--watch_timeout_s): {missing[0]} is missing. Start train.py with that --workdir, "
+                              "or check the path")
     if not said:
-      log(f"waiting for train.py to set up {workdir} (its model.json)")
+      log(f"waiting for train.py to set up {workdir} (its model.json and first checkpoint)")
       said = True
     sleep(poll_s)
 
