@@ -24,9 +24,24 @@ REGISTRY = {"longclip": None, "finelip": "hnclip_jax.frameworks.finelip", "goal"
             "structxlip": "hnclip_jax.frameworks.structxlip"}
 
 
+_MISSING = {}  # built-in framework -> why its module does not import here (a package it needs is not installed)
+
+
+def _builtin(name: str):
+  """The module of built-in framework `name`, or None (recorded in _MISSING) when a package it needs is missing."""
+  if name not in _MISSING:
+    try:
+      return importlib.import_module(REGISTRY[name])
+    except ImportError as e:
+      _MISSING[name] = f"{type(e).__name__}: {e}"
+  return None
+
+
 def blocks() -> list:
-  """[(name, module)] of the registered frameworks that have a config block (config.<name>), in registry order."""
-  return [(name, importlib.import_module(m)) for name, m in REGISTRY.items() if m is not None]
+  """[(name, module)] of the registered frameworks that have a config block (config.<name>), in registry order.
+  A built-in framework whose module needs a package this environment lacks (GOAL and StructXLIP read data: an
+  accelerator image without tensorflow-datasets, grain or OpenCV) is left out; asking for it names the package."""
+  return [(name, mod) for name, m in REGISTRY.items() if m is not None and (mod := _builtin(name)) is not None]
 
 
 _RESOLVED = {}  # config.framework -> the framework: imported and checked against the contract once per process
@@ -48,7 +63,12 @@ def resolve(name: str):
 
 def _find(name: str):
   if name in REGISTRY:
-    return None if REGISTRY[name] is None else importlib.import_module(REGISTRY[name])
+    if REGISTRY[name] is None:
+      return None
+    if _builtin(name) is None:
+      raise ValueError(f"config.framework={name!r} cannot run here: its module needs a package that is not "
+                       f"installed ({_MISSING[name]}); pip install -r requirements.txt")
+    return _builtin(name)
   if ":" not in name:
     raise ValueError(f"config.framework={name!r}; choose one of {list(REGISTRY)}, or give your own as an import path "
                      "'package.module:Name' (docs/frameworks.md, \"Write your own framework\")")
