@@ -46,15 +46,13 @@ def abstract_times(presets: list, reps: int) -> None:
   print("| preset | parameters | abstract_model (s) | with nnx.Rngs (s) | ratio |\n|---|---:|---:|---:|---:|")
   for name in presets:
     cfg = PRESETS[name]
-    times = {"ours": [], "nnx": []}
+    times, outs = {"ours": [], "nnx": []}, {}
     for rep in range(reps):
       for which in (("ours", "nnx") if rep % 2 == 0 else ("nnx", "ours")):
         t = time.perf_counter()
-        out = abstract_model(cfg) if which == "ours" else with_nnx_rngs(cfg)
+        outs[which] = abstract_model(cfg) if which == "ours" else with_nnx_rngs(cfg)
         times[which].append(time.perf_counter() - t)
-        if rep == 0:
-          times.setdefault("out_" + which, out)
-    (g1, p1), (g2, p2) = times["out_ours"], times["out_nnx"]
+    (g1, p1), (g2, p2) = outs["ours"], outs["nnx"]
     same = g1 == g2 and jax.tree.map(lambda x: (x.shape, x.dtype), p1) == jax.tree.map(lambda x: (x.shape, x.dtype), p2)
     if not same:
       raise SystemExit(f"{name}: abstract_model and the nnx.Rngs build differ")

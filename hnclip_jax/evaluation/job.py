@@ -209,8 +209,7 @@ def wait_for_run(workdir: str, poll_s: float, timeout_s: float, clock=time.monot
   timeout_s."""
   wd, start, said = Workdir(workdir), clock(), False
   while True:
-    missing = [p for p in (wd.model_json, wd.checkpoints) if not (paths.isdir(p) if p == wd.checkpoints
-                                                                   else paths.exists(p))]
+    missing = [p for p, there in ((wd.model_json, paths.exists), (wd.checkpoints, paths.isdir)) if not there(p)]
     if not missing:
       return
     if clock() - start > timeout_s:
