@@ -24,11 +24,21 @@ flags.mark_flags_as_required(["config", "workdir"])
 @clean_errors
 def main(argv):
   del argv
+  from hnclip_jax import goodput
+  # Where the wall time goes (goodput.py): from the OS's start of this process when run as a script, else from now.
+  account = goodput.Account(goodput.process_start_time() if __name__ == "__main__" else None)
+  try:
+    train(account.listen())
+  finally:
+    account.close()
+
+
+def train(account):
   import jax
   import numpy as np
 
   import hnclip_jax
-  from hnclip_jax import (checkpoint, config as config_lib, diagnostics, experiment, faults, hlo, hostmem, optim,
+  from hnclip_jax import (checkpoint, config as config_lib, diagnostics, experiment, faults, goodput, hlo, hostmem, optim,
                           paths, preemption, sharding, storage, train_step)
   from hnclip_jax.data import builders, clustering, pipeline
   from hnclip_jax.evaluation import embedding
@@ -62,8 +72,10 @@ def main(argv):
   ckpt = wd.checkpointer(max_to_keep=config.max_to_keep, async_save=config.async_checkpointing,
                          overlap_steps=config.checkpoint_overlap_steps, frozen=program.frozen)
   try:
-    latest, state, saved_meta = ckpt.restore_latest_intact(
-        program.target(), check_meta=lambda meta, where: check_model_compatible(meta.get("model"), model_cfg, where))
+    with account.part("restore"):
+      latest, state, saved_meta = ckpt.restore_latest_intact(
+          program.target(),
+          check_meta=lambda meta, where: check_model_compatible(meta.get("model"), model_cfg, where))
   except checkpoint.IncompatibleCheckpoint as e:
     raise experiment.resume_error(e, config, wd) from None
   if state is not None:
@@ -79,6 +91,10 @@ def main(argv):
     ckpt.save_frozen(state["params"])  # once: checkpoints then hold only what trains, and reference these
     log(f"frozen parameters stored once in {ckpt.frozen_dir}")
   start = int(state["step"])
+  record = goodput.Recorder(account, wd, start, jax.process_index())
+  redone = goodput.redone_note(wd.goodput_records(), start, jax.process_index())
+  if redone:
+    log(redone)
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   n_trained = sum(x.size for x in jax.tree.leaves(optim.trained_params(state["opt_state"])))
   log(f"model: {n_params / 1e6:.2f}M parameters ({n_trained / 1e6:.3f}M trained, finetune.method="
@@ -121,6 +137,11 @@ def main(argv):
   eval_captions = None  # read once, at the first eval, without decoding images
 
   def run_eval(step):
+    with account.part("eval"):
+      evaluate(step)
+    record.write(step)
+
+  def evaluate(step):
     nonlocal eval_captions
     if eval_captions is None:
       eval_captions = pipeline.caption_lists(
@@ -158,11 +179,13 @@ def main(argv):
                                        if objective.needs_tokens else ""))
   step = start
   stopped = False
+  record.loop_started()
   try:
     try:
       for step in range(start + 1, config.total_steps + 1):
         t_wait = time.perf_counter()
-        batch = dict(next(batches))
+        with account.part("input_wait"):
+          batch = dict(next(batches))
         batch.pop("index")  # host side only (the pipeline and a framework's `inputs`): not an input of the step
         throughput.waited(time.perf_counter() - t_wait)
         if faults.poisoned(step):
@@ -186,15 +209,21 @@ def main(argv):
         if logging_step or stopping or extra:
           scalars = {k: float(v) for k, v in jax.device_get({**metrics, **extra}).items()}
           scalars.update(throughput.scalars(step))
+          scalars.update(record.scalars())
           writer.write(step, scalars)
           log(progress.line(step, {k.removeprefix("diag/"): v for k, v in scalars.items()
-                                   if not k.startswith("diag/") or k.endswith("saturated_frac")}))
+                                   if not k.startswith(("diag/", "goodput/")) or k.endswith("saturated_frac")}))
           check_finite(int(scalars["nonfinite_steps"]))  # on the host already: stop at once, not at the save
+          record.write(step)
         if step % config.checkpoint_every == 0 or step == config.total_steps or stopping:
           check_finite()
-          ckpt.save(step, state, meta, force=True)
+          with account.part("checkpoint"):
+            ckpt.save(step, state, meta, force=True)
+          record.checkpoint(step)
+          record.write(step)
         if stopping:
-          ckpt.wait()
+          with account.part("checkpoint"):
+            ckpt.wait()
           log(f"{stop.signal_name}: stopped after step {step}; checkpoint {ckpt.directory}/{step} written. "
               "Rerun the same command to resume.")
           if jax.process_index() > 0:  # each host's own log says where it stopped (process 0's says it above)
@@ -204,22 +233,28 @@ def main(argv):
         if step % config.eval_every == 0 or step == config.total_steps:
           run_eval(step)
       check_finite()
-      ckpt.wait()
+      with account.part("checkpoint"):
+        ckpt.wait()
+      record.loop_ended()
     except storage.StorageError as e:  # a log or event file: say what survived and what to do
       if isinstance(e, checkpoint.CheckpointError):
         raise
       fix = ("Once the bucket answers again (docs/buckets.md)," if paths.is_url(workdir) else
              "Free space or fix the directory, then")
       raise storage.StorageError(f"{e}; {ckpt.intact_note()}. {fix} rerun the same command to resume") from e
-  except BaseException:
+  except BaseException as e:
     profiler.stop()  # a run that fails inside the traced steps still leaves its trace
     ckpt.close(quiet=True)  # never let a library error while closing hide the one that ended the run
     writer.close(quiet=True)
+    record.write_quietly(step, f"error: {type(e).__name__}")
     raise
   finally:
     lock.release()
   ckpt.close()
   writer.close()
+  record.write(step, "stopped" if stopped else "done")
+  log(account.line())
+  log(goodput.run_line(goodput.summarize(wd.goodput_records(), jax.process_index())))
   if stopped:
     return
   log(f"done: {config.total_steps} steps; checkpoints in {ckpt.directory}")

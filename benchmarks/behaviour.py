@@ -27,7 +27,7 @@ VARIANTS = {
     "token_ring": ["--config.loss.token_weight=1.0", "--config.loss.token_schedule=ring"],
     "hn_siglip": ["--config.loss.kind=sigmoid", "--config.model.logit_bias=True"],
 }
-SKIP = ("time", "wall", "perf/", "steps_per_s", "eta")
+SKIP = ("time", "wall", "perf/", "goodput/", "steps_per_s", "eta")  # metrics.TIMING_PREFIXES and the log lines' clocks
 
 
 def record(out, only):

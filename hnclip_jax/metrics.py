@@ -14,6 +14,10 @@ from absl import logging
 
 from hnclip_jax import paths, storage
 
+# Scalars that measure wall-clock time (throughput, MFU, input wait; the goodput account): different in every run,
+# so left out wherever two runs are compared value for value.
+TIMING_PREFIXES = ("perf/", "goodput/")
+
 
 def _tail_cut(path: str, keep) -> int | None:
   """The byte offset after the last kept line when every later line is dropped (a tail to cut), else None."""

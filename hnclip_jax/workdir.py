@@ -7,6 +7,8 @@
       checkpoints/<step>/          Orbax: `state` and `meta` (hnclip_jax/checkpoint.py)
       checkpoints_damaged/         checkpoints found damaged, set aside for inspection
       metrics.jsonl, tensorboard/  training metrics
+      goodput/<start>-p<i>.json    the wall-time account of process i of the train.py started at <start> (UTC),
+                                   rewritten whole at each record (goodput.py)
       eval_results.json            the latest eval.py result; eval_history.jsonl: every eval.py result, one a line
                                    (one per benchmark; an eval job's rows say "job": "watch")
       eval_table.md, .json         the latest Table 1 (eval.py --benchmarks / --watch)
@@ -39,6 +41,7 @@ CHECKPOINTS = "checkpoints"
 PARAMS = "params"
 EVAL_RESULTS = "eval_results.json"
 EVAL_HISTORY = "eval_history.jsonl"
+GOODPUT = "goodput"
 
 # Config keys that never change what a run computes or stores: not worth naming when a resume differs.
 BOOKKEEPING = ("total_steps", "log_every", "checkpoint_every", "eval_every", "max_to_keep", "eval_batch_size",
@@ -195,6 +198,25 @@ class Workdir:
                               f"train.py --workdir {self.path}")
     return checkpoint.Checkpointer(self.checkpoints, max_to_keep=max_to_keep, async_save=async_save,
                                    overlap_steps=overlap_steps, create=not read_only, frozen=frozen)
+
+  # ---- goodput (goodput.py) ----
+  def goodput_record(self, attempt: str) -> str:
+    return paths.join(self.path, GOODPUT, f"{attempt}.json")
+
+  def goodput_records(self) -> list[dict]:
+    """Every process start's account in this workdir (goodput.py), unordered; a damaged one left out."""
+    folder = paths.join(self.path, GOODPUT)
+    if not paths.isdir(folder):
+      return []
+    out = []
+    for name in paths.listdir(folder):
+      if name.endswith(".json"):
+        try:
+          out.append(json.loads(paths.read_text(paths.join(folder, name))))
+        except ValueError:
+          print(f"warning: {paths.join(folder, name)} is damaged; its process start is left out of the goodput "
+                "account", flush=True)
+    return out
 
   # ---- eval results ----
   def record_eval(self, result: dict, details: dict | None = None, latest: dict | None | bool = True) -> None:

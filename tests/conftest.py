@@ -192,12 +192,14 @@ def run_py(args, *, devices: int = 1, timeout: int = 600, check: bool = True, en
 
 
 def metrics_rows(workdir, timing: bool = False) -> list:
-  """The rows of a train.py workdir's metrics.jsonl; without the wall-clock perf/ scalars (throughput, MFU, input
-  wait: different in every run) unless timing=True, so that runs can be compared bit for bit."""
+  """The rows of a train.py workdir's metrics.jsonl; without the wall-clock scalars (metrics.TIMING_PREFIXES:
+  throughput, MFU, input wait, goodput: different in every run) unless timing=True, so that runs can be compared
+  bit for bit."""
   import json
+  from hnclip_jax.metrics import TIMING_PREFIXES
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
-  return rows if timing else [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+  return rows if timing else [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
 
 
 def check_resume_is_bit_identical(args, workdir, copy_to, last: int, resume_from: int, env_extra=None) -> None:

@@ -44,7 +44,8 @@ def bucket_rows(gcs, name):
 
 
 def no_perf(rows):
-  return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+  from hnclip_jax.metrics import TIMING_PREFIXES
+  return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
 
 
 def test_train_resume_and_eval_on_a_bucket_match_a_local_disk(gcs, tfds_dir, tmp_path):
