@@ -120,10 +120,17 @@ def enable_compilation_cache(cache_dir: str) -> None:
   """Persistent XLA cache: repeated runs skip recompiling the same programs. Programs that compile in under 0.5 s are
   not stored, unless JAX's own JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS is set (the test suite sets 0). JAX's own
   JAX_COMPILATION_CACHE_DIR, when set, wins over cache_dir (config.compilation_cache_dir): every process of a job
-  or a test run then shares one cache."""
-  from_env = bool(os.environ.get("JAX_COMPILATION_CACHE_DIR"))
+  or a test run then shares one cache. Either may be a bucket URL (gs://BUCKET/PATH): JAX reads and writes it
+  through etils epath, here on the same gcsfs client (its retries, the emulator) as every other bucket path, so
+  every host of a pod and every replacement VM reads the programs the first one compiled (docs/buckets.md)."""
+  from_env = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
   if cache_dir and not from_env:
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
+    if paths.is_url(cache_dir):
+      cache_dir = paths.resolve(cache_dir, "config.compilation_cache_dir")
+    jax.config.update("jax_compilation_cache_dir", cache_dir if paths.is_url(cache_dir)
+                      else os.path.expanduser(cache_dir))
+  if paths.is_url(from_env or cache_dir or ""):
+    paths.configure_clients()  # before JAX's cache first opens the directory
   if (cache_dir or from_env) and "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 

@@ -405,3 +405,29 @@ def test_clustered_batches_store_their_index_in_the_bucket_and_a_resume_reads_it
   assert "resumed from gs://bkt/clustered/checkpoints/4 (step 4)" in again.stdout, again.stdout[-2000:]
   assert "clustered batches:" in again.stdout
   assert bucket_rows(gcs, "clustered/metrics.jsonl")[:len(first)] == first
+
+
+def test_a_compilation_cache_in_the_bucket_serves_a_second_host(gcs, tfds_dir, monkeypatch):
+  """config.compilation_cache_dir=gs://…: the first process compiles every program into the bucket; a second one
+  (another host, a replacement VM: nothing of the first on its disk) reads every program it runs from there — its
+  goodput account lists each program's cache verdict, and none is compiled, the train step included."""
+  from hnclip_jax import goodput
+  from hnclip_jax.workdir import Workdir
+  cache = "gs://bkt/xla-shared"
+  records = []
+  for run in ("first", "second"):
+    env = _env(1, gcs.env)
+    env.pop("JAX_COMPILATION_CACHE_DIR")  # the test suite's shared local cache would win over the config
+    workdir = f"gs://bkt/cache-{run}"
+    proc = subprocess.run([sys.executable, "train.py", *BASE, "--config.total_steps=2", "--workdir", workdir,
+                           f"--config.data.data_dir={tfds_dir}", f"--config.compilation_cache_dir={cache}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for k, v in gcs.env.items():
+      monkeypatch.setenv(k, v)
+    records.append(goodput.summarize(Workdir(workdir).goodput_records())["programs"])
+  first, second = records
+  assert any(p["cache"] == "miss" for p in first)
+  assert len(gcs.objects("bkt", "xla-shared/")) >= len([p for p in first if p["cache"] == "miss"])
+  assert "jit(step)" in [p["name"] for p in second]
+  assert [p for p in second if p["cache"] != "hit"] == []
