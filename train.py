@@ -38,8 +38,8 @@ def train(account):
   import numpy as np
 
   import hnclip_jax
-  from hnclip_jax import (checkpoint, config as config_lib, diagnostics, experiment, faults, goodput, hlo, hostmem, optim,
-                          paths, preemption, sharding, storage, train_step)
+  from hnclip_jax import (checkpoint, config as config_lib, diagnostics, experiment, faults, goodput, hlo, hostmem,
+                          optim, paths, preemption, sharding, storage, train_step)
   from hnclip_jax.data import builders, clustering, pipeline
   from hnclip_jax.evaluation import embedding
   from hnclip_jax.evaluation.retrieval import NonFiniteEmbeddings
@@ -214,12 +214,13 @@ def train(account):
           log(progress.line(step, {k.removeprefix("diag/"): v for k, v in scalars.items()
                                    if not k.startswith(("diag/", "goodput/")) or k.endswith("saturated_frac")}))
           check_finite(int(scalars["nonfinite_steps"]))  # on the host already: stop at once, not at the save
-          record.write(step)
-        if step % config.checkpoint_every == 0 or step == config.total_steps or stopping:
+        saving = step % config.checkpoint_every == 0 or step == config.total_steps or stopping
+        if saving:
           check_finite()
           with account.part("checkpoint"):
             ckpt.save(step, state, meta, force=True)
           record.checkpoint(step)
+        if saving or logging_step:
           record.write(step)
         if stopping:
           with account.part("checkpoint"):

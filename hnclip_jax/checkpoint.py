@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
-from hnclip_jax import faults, paths, storage
+from hnclip_jax import faults, hostmem, paths, storage
 
 
 class CheckpointError(storage.StorageError):
@@ -268,6 +268,7 @@ class Checkpointer:
     """Starts an (async) save of `state`. Raises before writing anything: CheckpointError when an earlier
     background save failed or the disk lacks the space, NonFiniteState when `state` holds NaN or Inf."""
     self.check(sync=True)
+    hostmem.release_free_memory()  # the previous save's host copy, before this one makes another
     state, frozen = self._split(state)
     if frozen is not None:
       if self._frozen_fingerprint is None:
@@ -514,6 +515,8 @@ class Checkpointer:
       step, self._pending = self._pending, None
       self._remove_partial(step)
       raise self._background_failure(step, storage.describe(e)) from e
+    if self._pending is not None:
+      hostmem.release_free_memory()
     self._pending = None
 
   def close(self, quiet: bool = False):

@@ -102,7 +102,8 @@ ARGS = ["--config", "configs/demo.py:test", "--config.total_steps=10", "--config
 
 def test_a_killed_and_resumed_run_accounts_for_its_wall_time(tmp_path, tfds_dir):
   """train.py run as a script (its account starts when the OS started it), SIGKILLed after step 7 (checkpoint 4
-  complete, steps up to 6 recorded: a kill leaves its account as of its last record), then resumed: the records hold both starts, the resume names the redone steps,
+  complete, steps up to 6 recorded: a kill leaves its account as of its last record), then resumed: the records
+  hold both starts, the resume names the redone steps,
   and the accounts add up to the wall time of the two processes measured here: each starts when the process did
   and ends at its last record, so what it cannot see is the tail after that (the killed process's last step, the
   interpreter's exit: 0.3-1.2 s here, a constant, not a share of a pod's hours) — within 5 % plus that tail."""
