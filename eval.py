@@ -125,6 +125,7 @@ def main(argv):
                         newest_only=FLAGS.watch_newest_only, metric=config.eval.best_metric)
     best = summary["best"]
     log(f"evaluated steps {summary['evaluated']}" + (f", skipped {summary['skipped']}" if summary["skipped"] else "")
+        + (f", missed {summary['missed']} (deleted before this job saw them)" if summary["missed"] else "")
         + (f"; best: step {best['step']} ({config.eval.best_metric} {best['value']:.2f}) in {job.best_dir(workdir)}"
            if best else "") + f"; history: {wd.eval_history}, TensorBoard: {paths.join(workdir, job.WATCH_TENSORBOARD)}")
     ev.close()

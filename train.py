@@ -207,6 +207,7 @@ def train(account):
         stopping = stop.requested(step)
         ckpt.check(step)  # a failed background save stops the run now (<= checkpoint_overlap_steps later), naming it
         if logging_step or stopping or extra:
+          lock.check()  # a bucket lease lost to another run (its renewals stalled): stop before writing
           scalars = {k: float(v) for k, v in jax.device_get({**metrics, **extra}).items()}
           scalars.update(throughput.scalars(step))
           scalars.update(record.scalars())
@@ -216,6 +217,7 @@ def train(account):
           check_finite(int(scalars["nonfinite_steps"]))  # on the host already: stop at once, not at the save
         saving = step % config.checkpoint_every == 0 or step == config.total_steps or stopping
         if saving:
+          lock.check()
           check_finite()
           with account.part("checkpoint"):
             ckpt.save(step, state, meta, force=True)

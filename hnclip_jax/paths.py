@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import tempfile
@@ -237,6 +238,38 @@ def watched(fn, path, what: str):
   return box.get("value")
 
 
+def write_if_generation(path: str, data: bytes, generation: int) -> int | None:
+  """A bucket object written only if its generation is still `generation` (0: only if there is none) — GCS's
+  ifGenerationMatch precondition, one request: the new generation, or None when the precondition failed (another
+  writer replaced or removed it meanwhile)."""
+  from urllib.parse import quote
+  fs = filesystem()
+  bucket_name, key = str(path).split("://", 1)[1].split("/", 1)
+  # A multipart upload (metadata, then the bytes), as gcsfs' own uploads: GCS and the emulator check the
+  # precondition on it (the emulator ignores it on a plain media upload).
+  body = (b'--==0==\nContent-Type: application/json; charset=UTF-8\n\n' + json.dumps({"name": key}).encode()
+          + b"\n--==0==\nContent-Type: application/octet-stream\n\n" + data + b"\n--==0==--")
+  try:
+    out = fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket_name)}/o", uploadType="multipart",
+                  ifGenerationMatch=str(generation), data=body, json_out=True,
+                  headers={"Content-Type": 'multipart/related; boundary="==0=="'})
+  except FileExistsError:  # gcsfs' answer to HTTP 412, Precondition Failed
+    return None
+  return int(out["generation"])
+
+
+def remove_if_generation(path: str, generation: int) -> bool:
+  """A bucket object removed only if its generation is still `generation`; False when it was not (or is gone)."""
+  from urllib.parse import quote
+  fs = filesystem()
+  bucket_name, key = str(path).split("://", 1)[1].split("/", 1)
+  try:
+    fs.call("DELETE", f"b/{quote(bucket_name)}/o/{quote(key, safe='')}", ifGenerationMatch=str(generation))
+    return True
+  except (FileExistsError, FileNotFoundError):
+    return False
+
+
 def filesystem():
   """The gcsfs filesystem every bucket call goes through (configure_clients' bounded retries)."""
   import fsspec
@@ -250,11 +283,29 @@ def _p(path) -> epath.Path:
   return epath.Path(str(path))
 
 
+def _bucket_info(path) -> dict | None:
+  """A bucket path's metadata (gcsfs `info`: an object, or a prefix with objects under it as a "directory"), or
+  None when nothing is there. Any other failure is raised: fsspec's own `exists` / `isdir` answer False for every
+  error, so a bucket that does not answer (Unreachable, after the quick retries) would read as empty — and a
+  run would report "no checkpoint" about checkpoints that are there."""
+  try:
+    return filesystem().info(str(path))
+  except FileNotFoundError:
+    return None
+
+
 def exists(path) -> bool:
+  """Whether a file or directory is there; on a bucket an error other than "not found" is raised, never False."""
+  if is_url(path):
+    return _bucket_info(path) is not None
   return _p(path).exists()
 
 
 def isdir(path) -> bool:
+  """Whether a directory is there; on a bucket an error other than "not found" is raised, never False."""
+  if is_url(path):
+    info = _bucket_info(path)
+    return info is not None and info.get("type") == "directory"
   return _p(path).is_dir()
 
 
@@ -266,11 +317,10 @@ def listdir(path) -> list[str]:
   """Names (not paths) in a directory; [] when it does not exist — also when it goes between the check and the
   listing: on a bucket a prefix ends with its last object (another process's write probe, say), and gcsfs then
   raises FileNotFoundError for the prefix itself."""
-  p = _p(path)
-  if not p.is_dir():
+  if not isdir(path):
     return []
   try:
-    return sorted(c.name for c in p.iterdir())
+    return sorted(c.name for c in _p(path).iterdir())
   except FileNotFoundError:
     return []
 

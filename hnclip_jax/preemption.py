@@ -101,6 +101,16 @@ class WorkdirLock:
     os.write(fd, str(os.getpid()).encode())
     self._fd = fd
 
+  def check(self) -> None:
+    """Raises (ValueError naming the new holder) once this run has lost its bucket lease to another train.py —
+    its renewals stalled past LEASE_TTL_S and the other run took the workdir over. Called before each checkpoint
+    save and log write, so a stalled run finds out instead of writing over the new one's files."""
+    if self._lease is not None and self._lease.lost is not None:
+      held = self._lease.lost
+      raise ValueError(f"this train.py lost {self._lease.path} to another run (host {held.get('host', '?')}, pid "
+                       f"{held.get('pid', '?')}): its lease renewals stalled and the other run took the workdir "
+                       "over. Stopped without writing anything more; the other run owns the workdir now")
+
   def release(self):
     if self._lease is not None:
       self._lease.release()
@@ -116,14 +126,18 @@ LEASE_RENEW_S = 30.0
 
 
 class Lease:
-  """The bucket's single-writer guard (see WorkdirLock): {"host", "pid", "renewed"} in one object, created with
-  gcsfs' create-only mode (GCS `ifGenerationMatch=0`), so of two runs starting at once exactly one gets it."""
+  """The bucket's single-writer guard (see WorkdirLock): {"host", "pid", "renewed"} in one object, created only if
+  absent (GCS `ifGenerationMatch=0`), so of two runs starting at once exactly one gets it, and renewed only if it
+  is still the generation this run wrote (`ifGenerationMatch=<ours>`): a holder whose renewals stalled until
+  another run took over finds out at its next renewal (`lost`: the new holder) instead of overwriting the new
+  lease, and its release removes nothing that is not its own."""
 
   def __init__(self, path: str):
     self.path, self._fs = path, paths.filesystem()
     self._key = path.split("://", 1)[1]
     self._me = {"host": socket.gethostname(), "pid": os.getpid()}
     self._stop = threading.Event()
+    self._generation, self.lost = None, None
     if not self._create():
       held = self._read()
       age = time.time() - float(held.get("renewed", 0)) if held else LEASE_TTL_S
@@ -145,13 +159,8 @@ class Lease:
     return json.dumps({**self._me, "renewed": time.time()}).encode()
 
   def _create(self) -> bool:
-    try:
-      self._fs.pipe(self._key, self._body(), mode="create")
-      return True
-    except (FileExistsError, OSError) as e:
-      if isinstance(e, FileExistsError) or "412" in str(e) or "precondition" in str(e).lower():
-        return False
-      raise
+    self._generation = paths.write_if_generation(self.path, self._body(), 0)
+    return self._generation is not None
 
   def _read(self) -> dict | None:
     try:
@@ -160,19 +169,29 @@ class Lease:
       return None
 
   def _renew(self) -> None:
-    while not self._stop.wait(LEASE_RENEW_S):
+    while not self._stop.wait(LEASE_RENEW_S) and self.lost is None:
       try:
-        self._fs.pipe(self._key, self._body())
+        self.renew()
       except Exception:  # noqa: BLE001 (a failed renewal is retried; the run's own writes report storage trouble)
         pass
+
+  def renew(self) -> bool:
+    """One renewal; False (and `lost` set to the new holder) when the lease is no longer this run's."""
+    generation = paths.write_if_generation(self.path, self._body(), self._generation)
+    if generation is None:
+      self.lost = self._read() or {}
+      return False
+    self._generation = generation
+    return True
 
   def release(self) -> None:
     self._stop.set()
     self._thread.join(timeout=30)  # a renewal in flight must not land after the removal below
-    try:
-      self._fs.rm(self._key)
-    except Exception:  # noqa: BLE001
-      pass
+    if self.lost is None:
+      try:
+        paths.remove_if_generation(self.path, self._generation)
+      except Exception:  # noqa: BLE001
+        pass
 
 
 def _alive(pid: int) -> bool:

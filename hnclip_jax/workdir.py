@@ -218,6 +218,11 @@ class Workdir:
                 "account", flush=True)
     return out
 
+  def saved_steps(self) -> list[int]:
+    """Every step train.py started a checkpoint save of, by its processes' goodput records (kept or deleted
+    since by max_to_keep); [] for a workdir from before those records."""
+    return sorted({int(k) for r in self.goodput_records() if r.get("process") == 0 for k in r.get("checkpoints", {})})
+
   # ---- eval results ----
   def record_eval(self, result: dict, details: dict | None = None, latest: dict | None | bool = True) -> None:
     """Appends `result` and `details` (e.g. the full data config) to eval_history.jsonl (never rewritten) and

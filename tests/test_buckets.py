@@ -431,3 +431,55 @@ def test_a_compilation_cache_in_the_bucket_serves_a_second_host(gcs, tfds_dir, m
   assert len(gcs.objects("bkt", "xla-shared/")) >= len([p for p in first if p["cache"] == "miss"])
   assert "jit(step)" in [p["name"] for p in second]
   assert [p for p in second if p["cache"] != "hit"] == []
+
+
+def test_a_holder_whose_lease_was_taken_over_finds_out_instead_of_overwriting_it(gcs, monkeypatch):
+  """A train.py whose renewals stalled past the lease's TTL (a frozen VM) while another run took the workdir over:
+  its next renewal fails on the generation precondition instead of writing over the new holder's lease, the run
+  stops at its next save or log line naming the new holder, and its release removes nothing."""
+  for k, v in gcs.env.items():
+    monkeypatch.setenv(k, v)
+  from hnclip_jax import preemption
+  lock = preemption.WorkdirLock("gs://bkt/lease-race")
+  lease = lock._lease
+  lease._stop.set()  # its renewal thread stalls: renewals happen only when this test calls them
+  lease._thread.join()
+  assert lease.renew() and lease.renew()  # its own lease: renewed
+  lock.check()
+  # the other run, after the TTL: removes the stale lease and creates its own (another client: the JSON API)
+  gcs.delete("bkt", "lease-race/.lease")
+  gcs.write("bkt", "lease-race/.lease", json.dumps({"host": "other-host", "pid": 4242,
+                                                    "renewed": time.time()}).encode())
+  assert not lease.renew()
+  assert json.loads(gcs.read("bkt", "lease-race/.lease"))["host"] == "other-host"  # not overwritten
+  with pytest.raises(ValueError, match=r"lost gs://bkt/lease-race/\.lease to another run \(host other-host, "
+                                       r"pid 4242\).*Stopped without writing anything more"):
+    lock.check()
+  lock.release()
+  assert json.loads(gcs.read("bkt", "lease-race/.lease"))["host"] == "other-host"  # not removed either
+
+
+def test_an_unreachable_bucket_is_never_read_as_empty(tmp_path, monkeypatch):
+  """With the server gone, asking whether a path or a checkpoint is there raises paths.Unreachable within seconds
+  (it used to answer False / [] after the retries, and a failed run then said "no checkpoint is complete yet"
+  about checkpoints that were in the bucket)."""
+  emu = Emulator(str(tmp_path / "gcs")).start()
+  emu.make_bucket("bkt")
+  for k, v in emu.env.items():
+    monkeypatch.setenv(k, v)
+  from hnclip_jax import paths
+  from hnclip_jax.checkpoint import Checkpointer
+  emu.write("bkt", "run/checkpoints/5/commit_success.txt", b"done")
+  emu.write("bkt", "run/metrics.jsonl", b"{}\n")
+  ck = Checkpointer("gs://bkt/run/checkpoints", create=False)
+  assert "checkpoints/5" in ck.intact_note() and paths.isdir("gs://bkt/run/checkpoints/5")
+  assert not paths.exists("gs://bkt/run/nothing") and paths.listdir("gs://bkt/run/nothing") == []
+  emu.stop()
+  for ask in (lambda: paths.exists("gs://bkt/run/metrics.jsonl"), lambda: paths.isdir("gs://bkt/run/checkpoints"),
+              lambda: paths.listdir("gs://bkt/run/checkpoints")):
+    t = time.time()
+    with pytest.raises(paths.Unreachable):
+      ask()
+    assert time.time() - t < 15
+  note = ck.intact_note()
+  assert "could not be listed" in note and "no checkpoint is complete" not in note

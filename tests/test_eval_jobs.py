@@ -255,6 +255,31 @@ def test_watcher_follows_training_through_kills_deletions_and_restarts(reference
   assert jax.tree.all(jax.tree.map(np.array_equal, got.params, want.params))
 
 
+def test_watcher_accounts_for_checkpoints_it_never_saw(reference, tfds_dir, tmp_path, capsys):
+  """Training faster than evaluation with a small max_to_keep writes and deletes checkpoints between two looks of the
+  watcher: those are named as missed (from training's own goodput records), in the log and the summary, so every
+  checkpoint written is evaluated, skipped or missed."""
+  from hnclip_jax import experiment
+  from hnclip_jax.evaluation import job
+  sys.path.insert(0, ROOT)
+  from configs.demo import get_config
+  work = str(tmp_path / "w")
+  shutil.copytree(reference, work)
+  for s in (2, 3, 5):  # written and deleted (max_to_keep) before the job's first look
+    shutil.rmtree(os.path.join(work, "checkpoints", str(s)))
+  config = get_config("test")
+  config.data.data_dir = tfds_dir
+  ev = job.Evaluator(experiment.resolve(config, work, "eval"), [bench_lib.own_data(config, "test")], "cosine")
+  now = [0.0]
+  summary = job.watch(ev, poll_s=5, timeout_s=30, newest_only=False, metric="average/R@1",
+                      clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+  ev.close()
+  out = capsys.readouterr().out
+  assert summary["missed"] == [2, 3, 5] and summary["skipped"] == []
+  assert summary["evaluated"] == [1, 4, 6, 7, 8, 9, 10]
+  assert "steps [2, 3, 5]: written by training but deleted (max_to_keep) before this job saw them; missed" in out
+
+
 def test_watcher_skips_deleted_checkpoints_and_ends_on_timeout(reference, tfds_dir, tmp_path, capsys, monkeypatch):
   """The races of the end-to-end test, made to happen: a checkpoint deleted while it waits, one deleted while it is
   read, --watch_newest_only, and no final checkpoint (a run that stopped): the job ends after the timeout."""

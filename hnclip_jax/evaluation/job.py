@@ -225,7 +225,9 @@ def wait_for_run(workdir: str, poll_s: float, timeout_s: float, clock=time.monot
 def watch(ev: Evaluator, *, poll_s: float, timeout_s: float, newest_only: bool, metric: str,
           clock=time.monotonic, sleep=time.sleep) -> dict:
   """Follows the workdir's checkpoints until the final step is evaluated or none came for timeout_s; returns
-  {"evaluated": [steps], "skipped": [steps], "best": {...}}. One process
+  {"evaluated": [steps], "skipped": [steps], "missed": [steps], "best": {...}}: every checkpoint training wrote is
+  in one of the three lists — "missed" are those it wrote (its goodput records, Workdir.saved_steps) but deleted
+  (max_to_keep) before this job saw them complete, older than the newest it did see. One process
   (eval.py refuses --watch on several: their views of a directory that changes under them would differ)."""
   wd = ev.wd
   rows = wd.eval_records()
@@ -248,7 +250,7 @@ def watch(ev: Evaluator, *, poll_s: float, timeout_s: float, newest_only: bool, 
   if done:
     log(f"already evaluated by an earlier watcher (eval_history.jsonl): steps {sorted(done)}")
   writer = MetricsWriter(wd.path, jsonl=None, tb_dir=paths.join(wd.path, WATCH_TENSORBOARD))
-  evaluated, skipped = [], []
+  evaluated, skipped, missed = [], [], []
   last_new = clock()
   seen = set(done)
   try:
@@ -257,6 +259,12 @@ def watch(ev: Evaluator, *, poll_s: float, timeout_s: float, newest_only: bool, 
       if set(steps) - seen:
         last_new = clock()
         seen |= set(steps)
+      gone = [s for s in wd.saved_steps() if steps and s < steps[-1] and s not in seen]
+      if gone:
+        log(f"steps {gone}: written by training but deleted (max_to_keep) before this job saw them; missed")
+        missed += gone
+        seen |= set(gone)
+        done |= set(gone)
       todo = [s for s in steps if s not in done]
       if newest_only and len(todo) > 1:
         log(f"behind training: skipping steps {todo[:-1]} (--watch_newest_only), evaluating {todo[-1]}")
@@ -313,7 +321,7 @@ def watch(ev: Evaluator, *, poll_s: float, timeout_s: float, newest_only: bool, 
         break
   finally:
     writer.close(quiet=True)
-  return {"evaluated": evaluated, "skipped": skipped, "best": best}
+  return {"evaluated": evaluated, "skipped": skipped, "missed": sorted(missed), "best": best}
 
 
 def _is_final(ev: Evaluator, step: int, meta: dict | None = None) -> bool:
