@@ -167,6 +167,10 @@ def configure_clients() -> None:
     for name in ("gs", "gcs"):
       fsspec.register_implementation(name, cls, clobber=True)
     logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+    # array_record reads gs:// data through Google Cloud's C++ storage client, which knows no STORAGE_EMULATOR_HOST:
+    # pointed at the same emulator (tests), or it would try the real endpoint and hang.
+    if os.environ.get("STORAGE_EMULATOR_HOST") and not os.environ.get("CLOUD_STORAGE_EMULATOR_ENDPOINT"):
+      os.environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = os.environ["STORAGE_EMULATOR_HOST"]
     _done.append(True)
 
 

@@ -134,8 +134,8 @@ def test_what_a_bucket_cannot_do_is_refused_in_one_line(gcs, tfds_dir):
     proc = train(gcs, root, tfds_dir, check=False)
     assert_error_exit(proc, f"--workdir={root} is the root of its store", "--workdir=gs://bkt/RUN_NAME")
   assert not [n for n in gcs.objects("bkt") if n.startswith(("checkpoints/", "metrics.jsonl", ".lease", "model"))]
-  proc = train(gcs, "gs://bkt/data-run", "gs://bkt/tfds", check=False)
-  line = assert_error_exit(proc, "config.data.data_dir=gs://bkt/tfds", "Cloud Storage FUSE")
+  proc = train(gcs, "gs://bkt/data-run", tfds_dir, "--config.data.manual_dir=gs://bkt/raw", check=False)
+  line = assert_error_exit(proc, "config.data.manual_dir=gs://bkt/raw", "gcloud storage cp -r gs://bkt/raw")
   doc, section = re.search(r'\((docs/\w+\.md) "([^"]+)"\)', line).groups()  # the pointer names a real section
   with open(os.path.join(ROOT, doc)) as f:
     assert f"## {section}\n" in f.read(), (doc, section)
@@ -483,3 +483,24 @@ def test_an_unreachable_bucket_is_never_read_as_empty(tmp_path, monkeypatch):
     assert time.time() - t < 15
   note = ck.intact_note()
   assert "could not be listed" in note and "no checkpoint is complete" not in note
+
+
+def test_data_built_into_and_read_from_a_bucket_trains_as_from_a_local_disk(gcs, tfds_dir, tmp_path):
+  """config.data.data_dir=gs://…: the first run builds the data (locally, then uploaded with its dataset_info.json
+  last) and every run reads its examples from the bucket; the run equals one on a local build bit for bit, a
+  second run reuses the build without writing anything under it, and eval.py reads it too."""
+  local = tmp_path / "local"
+  train(gcs, local, tfds_dir)
+  out = train(gcs, tmp_path / "from-bucket", "gs://bkt/tfds")
+  assert "data: building hnclip_synthetic into gs://bkt/tfds/hnclip_synthetic/" in out.stdout
+  built = gcs.objects("bkt", "tfds/")
+  assert [n for n in built if n.endswith("dataset_info.json")] and [n for n in built if ".array_record-" in n]
+  assert metrics_rows(tmp_path / "from-bucket") == metrics_rows(local)  # the same examples in the same order
+  out = train(gcs, tmp_path / "again", "gs://bkt/tfds")
+  assert "data: reusing the hnclip_synthetic build in gs://bkt/tfds/hnclip_synthetic/" in out.stdout
+  assert gcs.objects("bkt", "tfds/") == built
+  assert metrics_rows(tmp_path / "again") == metrics_rows(local)
+  recalls = [[line for line in evaluate(gcs, w, f"--config.data.data_dir={d}").stdout.splitlines()
+              if line.startswith(("text->image", "image->text"))] for w, d in ((tmp_path / "from-bucket",
+                                                                                "gs://bkt/tfds"), (local, tfds_dir))]
+  assert len(recalls[0]) == 2 and recalls[0] == recalls[1], recalls

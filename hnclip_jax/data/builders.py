@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 
 import jax
 import numpy as np
@@ -96,14 +97,13 @@ def check_data_config(data_config) -> None:
   """Raises naming the config key when the dataset is unknown or its manual folder is not set or missing."""
   if data_config.name not in DATASETS:
     raise ValueError(f"config.data.name={data_config.name!r} is not a known dataset; known: {sorted(DATASETS)}")
-  for key in ("data_dir", "manual_dir"):
-    where = data_config.get(key) or ""
-    if paths.is_url(where):
-      raise ValueError(f"config.data.{key}={where}: the input pipeline reads array_record files through the local "
-                       "file system (grain's ArrayRecordDataSource; its reader opens no URLs), so the data cannot be "
-                       "read from a bucket. Copy the build to a local disk (gcloud storage cp -r "
-                       f"{where} /data/tfds) and pass that directory, or mount the bucket with Cloud Storage FUSE "
-                       "(docs/buckets.md \"Data stays on a local disk (or a FUSE mount)\")")
+  if paths.is_url(data_config.get("data_dir") or ""):
+    paths.resolve(data_config.data_dir, "config.data.data_dir")  # a known scheme, a bucket, credentials
+  if paths.is_url(data_config.get("manual_dir") or ""):
+    raise ValueError(f"config.data.manual_dir={data_config.manual_dir}: a builder reads the files you downloaded "
+                     "from a local directory. Copy them to a local disk (gcloud storage cp -r "
+                     f"{data_config.manual_dir} /data/raw) and pass that; the build itself may go to a bucket, "
+                     "config.data.data_dir=gs://… (docs/buckets.md \"Data in a bucket\")")
   if data_config.get("batching", "random") not in clustering.BATCHINGS:
     raise ValueError(f"config.data.batching={data_config.batching!r}; choose one of {list(clustering.BATCHINGS)}")
   if data_config.on_bad_example not in ("error", "skip"):
@@ -167,16 +167,38 @@ def num_examples(data_config, split: str) -> int | None:
   return int(builder.info.splits[split].num_examples)
 
 
+def _build_into_bucket(tfds_name: str, data_dir: str, builder_kwargs: dict, prepare: dict) -> None:
+  """Builds in a local temporary directory and uploads the build to bucket `data_dir`: TFDS writes array_record
+  through array_record's C++ writer, which opens local files only (tried: "open() failed ... gs://…"). Its
+  dataset_info.json goes last — TFDS takes a build as complete once that file is there, so a reader (another host,
+  a rerun after a failed upload) never takes a half-uploaded build for a whole one."""
+  with tempfile.TemporaryDirectory(prefix="hnclip_jax-build-") as local:
+    tfds.builder(tfds_name, data_dir=local, **builder_kwargs).download_and_prepare(**prepare)
+    files = sorted((os.path.relpath(os.path.join(root, f), local) for root, _, names in os.walk(local)
+                    for f in names), key=lambda rel: (os.path.basename(rel) == "dataset_info.json", rel))
+    for rel in files:
+      with open(os.path.join(local, rel), "rb") as f:
+        paths.write_bytes(paths.join(data_dir, *rel.split(os.sep)), f.read())
+
+
 def data_source(data_config, split: str, decode_images: bool = True):
-  """Random-access source of `split` (prepared on first use): dicts with image uint8 [H,W,3], caption bytes, image_id."""
+  """Random-access source of `split` (prepared on first use): dicts with image uint8 [H,W,3], caption bytes, image_id.
+  config.data.data_dir may be a bucket (gs://…): the build is made locally and uploaded there once (process 0),
+  and every process reads its examples from the bucket directly (array_record's reader opens gs:// itself)."""
   check_data_config(data_config)
   tfds_name, kwargs, manual_needed = DATASETS[data_config.name]
   builder_kwargs = {**kwargs(data_config), "file_format": "array_record"}
   prepare = {}
   if manual_needed:
     prepare = {"download_config": tfds.download.DownloadConfig(manual_dir=os.path.expanduser(data_config.manual_dir))}
+  in_bucket = paths.is_url(data_config.data_dir or "")
+  if in_bucket:
+    paths.configure_clients()  # before TFDS opens the bucket (gcsfs) and array_record's reader does (its own client)
   if jax.process_index() == 0:
-    _report_build(tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **builder_kwargs), data_config)
+    builder = tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **builder_kwargs)
+    _report_build(builder, data_config)
+    if in_bucket and not builder.is_prepared():
+      _build_into_bucket(tfds_name, data_config.data_dir, builder_kwargs, prepare)
   if jax.process_count() > 1:  # one process prepares, the others wait and then only read
     if jax.process_index() == 0:
       tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **builder_kwargs).download_and_prepare(**prepare)
