@@ -504,3 +504,40 @@ def test_data_built_into_and_read_from_a_bucket_trains_as_from_a_local_disk(gcs,
               if line.startswith(("text->image", "image->text"))] for w, d in ((tmp_path / "from-bucket",
                                                                                 "gs://bkt/tfds"), (local, tfds_dir))]
   assert len(recalls[0]) == 2 and recalls[0] == recalls[1], recalls
+
+
+def test_a_data_bucket_that_stops_answering_ends_the_run_in_one_line_and_a_rerun_resumes(tmp_path, tfds_dir):
+  """The data on a bucket, the workdir local: the server stops while training reads (it logs every step); the run
+  ends within seconds with one `error:` line naming the data path, no traceback; with the server back, the same
+  command resumes and ends as an uninterrupted run does; and a data bucket that does not exist is refused before
+  anything compiles."""
+  emu = Emulator(str(tmp_path / "gcs")).start()
+  try:
+    emu.make_bucket("bkt")
+    data = "gs://bkt/tfds"
+    base = ["train.py", *BASE, "--config.total_steps=40", "--config.checkpoint_every=5", "--config.max_to_keep=3"]
+    local = tmp_path / "local"
+    run_py([*base, f"--config.data.data_dir={tfds_dir}", "--workdir", str(local)])
+    work = tmp_path / "w"
+    args = [sys.executable, *base, f"--config.data.data_dir={data}", "--workdir", str(work)]
+    proc = subprocess.Popen(args, cwd=ROOT, env=_env(1, emu.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    for line in proc.stdout:
+      if line.startswith("step 12/"):
+        break
+    emu.stop()
+    t = time.monotonic()
+    out, err = proc.communicate(timeout=300)
+    took = time.monotonic() - t
+    line = assert_error_exit(subprocess.CompletedProcess(args, proc.returncode, out, err), data, "cannot be reached")
+    assert took < 30, (took, line)
+    emu.start()
+    run_py(args[1:], env_extra=emu.env)
+    assert metrics_rows(work) == metrics_rows(local)
+    start = time.monotonic()
+    proc = run_py([*base, "--config.data.data_dir=gs://no-such-bucket/tfds", "--workdir", str(tmp_path / "x")],
+                  env_extra=emu.env, check=False)
+    assert_error_exit(proc, "gs://no-such-bucket", "does not exist")
+    assert time.monotonic() - start < 60
+  finally:
+    emu.stop()

@@ -194,6 +194,10 @@ def data_source(data_config, split: str, decode_images: bool = True):
   in_bucket = paths.is_url(data_config.data_dir or "")
   if in_bucket:
     paths.configure_clients()  # before TFDS opens the bucket (gcsfs) and array_record's reader does (its own client)
+    root = "gs://" + paths.bucket(data_config.data_dir)
+    if not paths.exists(root):  # refused here, before anything is built or compiled
+      raise FileNotFoundError(f"config.data.data_dir={data_config.data_dir}: "
+                              f"{paths.describe_error(root, FileNotFoundError(root))}")
   if jax.process_index() == 0:
     builder = tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **builder_kwargs)
     _report_build(builder, data_config)
