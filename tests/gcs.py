@@ -128,6 +128,7 @@ class Relay:
     self._pattern, self._listener, self._conns, self._lock = None, None, set(), threading.Lock()
     self.target = None
     self.requests = []  # "METHOD /path?query" of every request relayed, in order
+    self.response_bytes = 0  # bytes the server sent back through this relay (headers included)
 
   def env(self, emulator: Emulator) -> dict:
     return {k: (self.url if v == emulator.url else v) for k, v in emulator.env.items()}
@@ -187,6 +188,8 @@ class Relay:
         break
       if watch:
         self.requests += [m.group(1).decode(errors="replace") for m in _REQUEST_LINE.finditer(data)]
+      else:
+        self.response_bytes += len(data)
       if watch and self._pattern is not None:
         seen = tail + data
         if self._pattern.search(seen):

@@ -203,6 +203,13 @@ def data_source(data_config, split: str, decode_images: bool = True):
     _report_build(builder, data_config)
     if in_bucket and not builder.is_prepared():
       _build_into_bucket(tfds_name, data_config.data_dir, builder_kwargs, prepare)
+    if in_bucket and data_config.data_dir not in _reported:
+      _reported.add(data_config.data_dir)
+      print(f"data: reading examples from {data_config.data_dir} directly: array_record's reader makes one request "
+            "per example, each for the rest of the file (measured on the emulator: 36x slower than a local disk, "
+            "93x the bytes; benchmarks/bucket_reads.py). Fine for small data; for large data copy the build to a "
+            "local disk or a Cloud Storage FUSE mount with its file cache (docs/buckets.md \"Data in a bucket\")",
+            flush=True)
   if jax.process_count() > 1:  # one process prepares, the others wait and then only read
     if jax.process_index() == 0:
       tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **builder_kwargs).download_and_prepare(**prepare)

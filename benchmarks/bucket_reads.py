@@ -1,0 +1,76 @@
+"""Random-access reads of a TFDS array_record build on a bucket (the GCS emulator) vs a local disk: examples/s, and
+what the bucket path transfers for them (a relay in front of the emulator counts requests and response bytes).
+
+  python benchmarks/bucket_reads.py [--reads 512] [--num_train 4096] [--image_size 64]
+
+Builds the built-in synthetic data locally (config.data.name=synthetic), uploads it to gs://bench/tfds on
+fake-gcs-server (tests/requirements.txt), and reads the same `--reads` random indices of the train split through
+`tfds.data_source` (grain's ArrayRecordDataSource, as train.py does) from each place, in one process. The emulator
+runs on this machine: the numbers measure the protocol path (one HTTP request per record, what each asks for),
+not a real bucket's latency or bandwidth.
+"""
+import argparse
+import os
+import re
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--reads", type=int, default=512)
+  p.add_argument("--num_train", type=int, default=4096)
+  p.add_argument("--image_size", type=int, default=64)
+  a = p.parse_args()
+  from gcs import Emulator, Relay
+  emu = Emulator(tempfile.mkdtemp(prefix="gcs-bench-")).start()
+  emu.make_bucket("bench")
+  relay = Relay().start(emu.port)
+  os.environ.update(emu.env)
+  os.environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = relay.url  # array_record's reader goes through the relay
+  import numpy as np
+  import tensorflow_datasets as tfds
+  from hnclip_jax import paths
+  from hnclip_jax.config import base_config
+  from hnclip_jax.data import builders
+  try:
+    data = base_config().data
+    data.num_train, data.image_size = a.num_train, a.image_size
+    local = tempfile.mkdtemp(prefix="tfds-local-")
+    name, kwargs, _ = builders.DATASETS["synthetic"]
+    kw = {**kwargs(data), "file_format": "array_record"}
+    tfds.builder(name, data_dir=local, **kw).download_and_prepare()
+    paths.upload_tree(local, "gs://bench/tfds")
+    size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(local) for f in fs
+               if "train.array_record" in f)
+    idx = np.random.default_rng(0).integers(0, a.num_train, a.reads)
+    rows = []
+    for where in (local, "gs://bench/tfds"):
+      src = tfds.data_source(name, data_dir=where, builder_kwargs=kw,
+                             decoders={"image": tfds.decode.SkipDecoding()})["train"]
+      src[0]
+      n0, b0 = len(relay.requests), relay.response_bytes
+      t = time.perf_counter()
+      got = sum(len(src[int(i)]["image"]) for i in idx)
+      dt = time.perf_counter() - t
+      gets = [r for r in relay.requests[n0:] if re.search(r"train\.array_record", r)]
+      rows.append((where, a.reads / dt, got, len(gets), relay.response_bytes - b0))
+  finally:
+    relay.stop()
+    emu.stop()
+  print(f"\ntrain split {size / 1e6:.1f} MB, {a.num_train} examples at {a.image_size} px; {a.reads} random reads; "
+        f"{os.cpu_count()} CPU cores")
+  print("| where | examples/s | image bytes read | GET requests | bytes transferred | transferred / read |")
+  print("|---|---:|---:|---:|---:|---:|")
+  for where, rate, got, gets, sent in rows:
+    print(f"| {'local disk' if not where.startswith('gs://') else 'bucket (emulator)'} | {rate:.0f} | "
+          f"{got / 1e6:.2f} MB | {gets} | {sent / 1e6:.1f} MB | {sent / got if sent else 0:.0f}x |")
+
+
+if __name__ == "__main__":
+  main()
