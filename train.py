@@ -128,11 +128,11 @@ def train(account):
                                                                                 config.seed, 0))
     log(f"clustered batches: mean in-batch caption similarity (the start model's, epoch 0) {crowd:.3f}, against "
         f"{spread:.3f} for random batches")
-  batches = pipeline.WatchedReads(iter(pipeline.train_dataset(
+  batches = iter(pipeline.train_dataset(
       train_source, tokenizer, image_size=model_cfg.image_size, global_batch=config.batch_size, seed=config.seed,
       start_step=start, rows=sharding.process_rows(mesh, config.batch_size),
       workers=config.workers, extra_inputs=None if make_inputs is None else make_inputs(config, model_cfg, tokenizer),
-      family=model_cfg.family, plan=plan)), config.data.data_dir)
+      family=model_cfg.family, plan=plan))
 
   eval_captions = None  # read once, at the first eval, without decoding images
 

@@ -487,57 +487,68 @@ def test_an_unreachable_bucket_is_never_read_as_empty(tmp_path, monkeypatch):
 
 def test_data_built_into_and_read_from_a_bucket_trains_as_from_a_local_disk(gcs, tfds_dir, tmp_path):
   """config.data.data_dir=gs://…: the first run builds the data (locally, then uploaded with its dataset_info.json
-  last) and every run reads its examples from the bucket; the run equals one on a local build bit for bit, a
-  second run reuses the build without writing anything under it, and eval.py reads it too."""
+  last) and stages it into its host's cache; the run equals one on a local build bit for bit; a second run reuses
+  both the build (writing nothing under it) and the staged copy (fetching nothing), and eval.py reads it too."""
   local = tmp_path / "local"
   train(gcs, local, tfds_dir)
-  out = train(gcs, tmp_path / "from-bucket", "gs://bkt/tfds")
+  env = {**gcs.env, "HNCLIP_DATA_CACHE": str(tmp_path / "cache")}
+  out = train(env, tmp_path / "from-bucket", "gs://bkt/tfds")
   assert "data: building hnclip_synthetic into gs://bkt/tfds/hnclip_synthetic/" in out.stdout
+  staged = re.search(r"staged in \S+ \(([\d.]+) MB fetched, ([\d.]+) MB already there\)", out.stdout)
+  assert staged and float(staged.group(1)) > 0 and float(staged.group(2)) == 0, out.stdout[-3000:]
   built = gcs.objects("bkt", "tfds/")
   assert [n for n in built if n.endswith("dataset_info.json")] and [n for n in built if ".array_record-" in n]
   assert metrics_rows(tmp_path / "from-bucket") == metrics_rows(local)  # the same examples in the same order
-  out = train(gcs, tmp_path / "again", "gs://bkt/tfds")
+  out = train(env, tmp_path / "again", "gs://bkt/tfds")
   assert "data: reusing the hnclip_synthetic build in gs://bkt/tfds/hnclip_synthetic/" in out.stdout
+  again = re.search(r"staged in \S+ \(([\d.]+) MB fetched, ([\d.]+) MB already there\)", out.stdout)
+  assert again and float(again.group(1)) == 0 and again.group(2) == staged.group(1), out.stdout[-3000:]
   assert gcs.objects("bkt", "tfds/") == built
   assert metrics_rows(tmp_path / "again") == metrics_rows(local)
-  recalls = [[line for line in evaluate(gcs, w, f"--config.data.data_dir={d}").stdout.splitlines()
+  recalls = [[line for line in run_py(["eval.py", "--config", "configs/demo.py:test", "--workdir", str(w),
+                                       f"--config.data.data_dir={d}"], env_extra=env).stdout.splitlines()
               if line.startswith(("text->image", "image->text"))] for w, d in ((tmp_path / "from-bucket",
                                                                                 "gs://bkt/tfds"), (local, tfds_dir))]
   assert len(recalls[0]) == 2 and recalls[0] == recalls[1], recalls
 
 
-def test_a_data_bucket_that_stops_answering_ends_the_run_in_one_line_and_a_rerun_resumes(tmp_path, tfds_dir):
-  """The data on a bucket, the workdir local: the server stops while training reads (it logs every step); the run
-  ends within seconds with one `error:` line naming the data path, no traceback; with the server back, the same
-  command resumes and ends as an uninterrupted run does; and a data bucket that does not exist is refused before
-  anything compiles."""
+def test_data_staging_cut_off_by_the_server_ends_in_one_line_and_a_rerun_trains_as_from_a_local_disk(tmp_path,
+                                                                                                  tfds_dir):
+  """The data on a bucket, the workdir local: the server goes away while the train split is being staged (a relay
+  in front of it stops at the first request for that file): the run ends within seconds with one `error:` line
+  naming the data path, no traceback, nothing half-copied left where the cache is read; with the server back the
+  same command stages the build and ends as a run on a local build does; a data bucket that does not exist is
+  refused before anything compiles."""
+  from gcs import Relay
   emu = Emulator(str(tmp_path / "gcs")).start()
+  relay = Relay().start(emu.port)
+  cache = tmp_path / "cache"
+  env = {**relay.env(emu), "HNCLIP_DATA_CACHE": str(cache)}
   try:
     emu.make_bucket("bkt")
     data = "gs://bkt/tfds"
-    base = ["train.py", *BASE, "--config.total_steps=40", "--config.checkpoint_every=5", "--config.max_to_keep=3"]
+    base = ["train.py", *BASE, "--config.total_steps=12", "--config.checkpoint_every=4"]
     local = tmp_path / "local"
     run_py([*base, f"--config.data.data_dir={tfds_dir}", "--workdir", str(local)])
-    work = tmp_path / "w"
-    args = [sys.executable, *base, f"--config.data.data_dir={data}", "--workdir", str(work)]
-    proc = subprocess.Popen(args, cwd=ROOT, env=_env(1, emu.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    for line in proc.stdout:
-      if line.startswith("step 12/"):
-        break
-    emu.stop()
+    args = [*base, f"--config.data.data_dir={data}", "--workdir", str(tmp_path / "w")]
+    relay.stop_on(rb"GET [^ ]*train\.array_record")
     t = time.monotonic()
-    out, err = proc.communicate(timeout=300)
-    took = time.monotonic() - t
-    line = assert_error_exit(subprocess.CompletedProcess(args, proc.returncode, out, err), data, "cannot be reached")
-    assert took < 30, (took, line)
-    emu.start()
-    run_py(args[1:], env_extra=emu.env)
-    assert metrics_rows(work) == metrics_rows(local)
+    proc = run_py(args, env_extra=env, check=False)
+    assert_error_exit(proc, f"staging the data in {data}", "cannot be reached")
+    assert time.monotonic() - t < 90
+    staged = [os.path.join(r, f) for r, _, fs in os.walk(cache) for f in fs]
+    assert not [f for f in staged if "train.array_record" in f and not f.endswith(".staged.json")
+                and os.path.exists(f + ".staged.json")], staged  # no train file in place
+    assert not [f for f in staged if f.endswith("dataset_info.json")], staged  # TFDS sees no complete build
+    relay.start(emu.port)
+    out = run_py(args, env_extra=env)
+    assert re.search(r"data: gs://bkt/tfds/hnclip_synthetic/\S+ staged in \S+ \([\d.]+ MB fetched", out.stdout)
+    assert metrics_rows(tmp_path / "w") == metrics_rows(local)
     start = time.monotonic()
     proc = run_py([*base, "--config.data.data_dir=gs://no-such-bucket/tfds", "--workdir", str(tmp_path / "x")],
-                  env_extra=emu.env, check=False)
+                  env_extra=env, check=False)
     assert_error_exit(proc, "gs://no-such-bucket", "does not exist")
     assert time.monotonic() - start < 60
   finally:
+    relay.stop()
     emu.stop()

@@ -11,7 +11,7 @@ import tensorflow_datasets as tfds
 from jax.experimental import multihost_utils
 
 from hnclip_jax import paths
-from hnclip_jax.data import clustering, manual, synthetic
+from hnclip_jax.data import clustering, manual, staging, synthetic
 
 
 @dataclasses.dataclass
@@ -184,7 +184,7 @@ def _build_into_bucket(tfds_name: str, data_dir: str, builder_kwargs: dict, prep
 def data_source(data_config, split: str, decode_images: bool = True):
   """Random-access source of `split` (prepared on first use): dicts with image uint8 [H,W,3], caption bytes, image_id.
   config.data.data_dir may be a bucket (gs://…): the build is made locally and uploaded there once (process 0),
-  and every process reads its examples from the bucket directly (array_record's reader opens gs:// itself)."""
+  and every process stages it into its own local cache (data/staging.py) and reads it there."""
   check_data_config(data_config)
   tfds_name, kwargs, manual_needed = DATASETS[data_config.name]
   builder_kwargs = {**kwargs(data_config), "file_format": "array_record"}
@@ -203,20 +203,24 @@ def data_source(data_config, split: str, decode_images: bool = True):
     _report_build(builder, data_config)
     if in_bucket and not builder.is_prepared():
       _build_into_bucket(tfds_name, data_config.data_dir, builder_kwargs, prepare)
-    if in_bucket and data_config.data_dir not in _reported:
-      _reported.add(data_config.data_dir)
-      print(f"data: reading examples from {data_config.data_dir} directly: array_record's reader makes one request "
-            "per example, each for the rest of the file (measured on the emulator: 36x slower than a local disk, "
-            "93x the bytes; benchmarks/bucket_reads.py). Fine for small data; for large data copy the build to a "
-            "local disk or a Cloud Storage FUSE mount with its file cache (docs/buckets.md \"Data in a bucket\")",
-            flush=True)
   if jax.process_count() > 1:  # one process prepares, the others wait and then only read
     if jax.process_index() == 0:
       tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **builder_kwargs).download_and_prepare(**prepare)
     multihost_utils.sync_global_devices(f"prepared {tfds_name}")
+  read_from = data_config.data_dir or None
+  if in_bucket:  # every process copies the build to its own disk once (data/staging.py), and reads it there
+    remote = str(tfds.builder(tfds_name, data_dir=data_config.data_dir, **builder_kwargs).data_path)
+    try:
+      read_from, fetched, reused = staging.stage(data_config.data_dir, remote)
+    except paths.Unreachable as e:
+      raise paths.Unreachable(f"staging the data in {data_config.data_dir}: {e}") from None
+    if (remote, read_from) not in _reported:
+      _reported.add((remote, read_from))
+      print(f"data: {remote} staged in {read_from} ({fetched / 1e6:.1f} MB fetched, {reused / 1e6:.1f} MB "
+            "already there)", flush=True)
   try:
     sources = tfds.data_source(
-        tfds_name, data_dir=data_config.data_dir or None, builder_kwargs=builder_kwargs,
+        tfds_name, data_dir=read_from, builder_kwargs=builder_kwargs,
         download_and_prepare_kwargs=prepare,
         decoders=None if decode_images else {"image": tfds.decode.SkipDecoding()})
   except AssertionError as e:  # TFDS reports a missing/empty manual directory this way

@@ -5,7 +5,6 @@ import grain
 import numpy as np
 from PIL import Image
 
-from hnclip_jax import paths
 from hnclip_jax.frameworks.base import BATCH_KEYS  # the core's batch entries; a framework's inputs take other names
 
 
@@ -141,33 +140,6 @@ class _PlannedBatch(grain.transforms.MapWithIndex):
 
   def map_with_index(self, step, _):
     return np.asarray(self.plan(step), np.int64)
-
-
-class WatchedReads:
-  """An iterator of batches read from a bucket (config.data.data_dir=gs://…), watched: array_record's reader (Google
-  Cloud's C++ storage client) retries a server that stopped answering for many minutes, so each batch is awaited
-  with paths.watched — paths.Unreachable naming the data path within seconds once the bucket does not answer, and
-  a read that failed while it does not answer is reported the same way. A local data_dir: the iterator as is."""
-
-  def __init__(self, iterator, data_dir: str):
-    self._it, self._dir = iterator, data_dir
-    self._what = f"reading the data in {data_dir}"
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    if not paths.is_url(self._dir):
-      return next(self._it)
-    try:
-      return paths.watched(lambda: next(self._it), self._dir, self._what)
-    except (paths.Unreachable, StopIteration):
-      raise
-    except Exception:  # noqa: BLE001 — the reader's own error once the server is gone: say so
-      gone = paths.unreachable(self._dir)
-      if gone is not None:
-        raise paths.Unreachable(f"{self._what}: {gone}") from None
-      raise
 
 
 def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed: int, start_step: int = 0,
