@@ -1,6 +1,7 @@
 """The goodput account of a demo run with one preemption: where the wall time went, and what the restart cost.
 
-  python benchmarks/goodput.py [--workdir DIR] [--kill_at 250] [--signal KILL|TERM] [-- --config.X=Y ...]
+  python benchmarks/goodput.py [--workdir DIR] [--config configs/demo.py] [--kill_at 250] [--signal KILL|TERM]
+                               [-- --config.X=Y ...]
 
 Runs `train.py --config configs/demo.py` (300 steps, checkpoints every 100) into a fresh workdir, preempts it once
 after step --kill_at, and reruns the same command to finish it, then prints the account of each process start and
@@ -33,12 +34,13 @@ def last_step(workdir: str) -> int:
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--workdir", default=None)
+  p.add_argument("--config", default="configs/demo.py")
   p.add_argument("--kill_at", type=int, default=250)
   p.add_argument("--signal", default="KILL", choices=["KILL", "TERM"])
   a, extra = p.parse_known_args()
   extra = [x for x in extra if x != "--"]
   workdir = a.workdir or os.path.join(tempfile.mkdtemp(prefix="goodput-"), "run")
-  cmd = [sys.executable, "train.py", "--config", "configs/demo.py", "--workdir", workdir, *extra]
+  cmd = [sys.executable, "train.py", "--config", a.config, "--workdir", workdir, *extra]
   walls = []
   for attempt in ("preempted", "resumed"):
     env = dict(os.environ)

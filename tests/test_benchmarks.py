@@ -179,3 +179,25 @@ def test_compile_log_and_report_attribute_compiles_to_their_tests(tmp_path):
       e["event"] == "/jax/core/compile/backend_compile_duration" for e in events), report
   assert "| tests/test_x.py::test_b | 1.0 | 0.0 | 0 |" in report, report
   assert any(line.split()[-1] == "jit(<lambda>)" and line.split()[2] == "2x" for line in report.splitlines()), report
+
+
+@pytest.mark.long
+def test_goodput_checkpoint_memory_and_bucket_reads_scripts_run(tmp_path, tfds_dir):
+  """benchmarks/goodput.py (a tiny run killed once and resumed), checkpoint_memory.py (tiny state, both variants) and
+  bucket_reads.py (a small build on the emulator): each ends with its table."""
+  run = lambda *args: subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(1), capture_output=True,  # noqa: E731
+                                     text=True, timeout=900)
+  proc = run("benchmarks/goodput.py", "--workdir", str(tmp_path / "gp"), "--config", "configs/demo.py:test",
+             "--kill_at", "5", "--", "--config.total_steps=8", "--config.checkpoint_every=4",
+             f"--config.data.data_dir={tfds_dir}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  # killed after step 5 (its last record: step 4), resumed from checkpoint 4 or, when that save had not committed,
+  # from the start (then steps 1-4 are redone)
+  assert "goodput (whole run, 2 process starts)" in proc.stdout, proc.stdout
+  assert "killed (no end record)" in proc.stdout and "| done" in proc.stdout, proc.stdout
+  proc = run("benchmarks/checkpoint_memory.py", "--preset", "tiny", "--saves", "2")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.count("| 2 |") == 2 and "variant keep" in proc.stdout, proc.stdout
+  proc = run("benchmarks/bucket_reads.py", "--reads", "16", "--num_train", "64", "--image_size", "32")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "| bucket, staged first |" in proc.stdout and "staging (data/staging.py)" in proc.stdout, proc.stdout
