@@ -179,7 +179,11 @@ class Lease:
     """One renewal; False (and `lost` set to the new holder) when the lease is no longer this run's."""
     generation = paths.write_if_generation(self.path, self._body(), self._generation)
     if generation is None:
-      self.lost = self._read() or {}
+      held = self._read() or {}
+      if {k: held.get(k) for k in self._me} == self._me:  # ours after all: a renewal whose answer was lost, retried
+        self._generation = int(self._fs.info(self._key)["generation"])
+        return True
+      self.lost = held
       return False
     self._generation = generation
     return True

@@ -160,6 +160,8 @@ def num_examples(data_config, split: str) -> int | None:
   except (ValueError, FileNotFoundError):
     return None
   tfds_name, kwargs, _ = DATASETS[data_config.name]
+  if paths.is_url(data_config.data_dir or ""):
+    paths.configure_clients()  # TFDS opens the bucket through gcsfs: with this package's retry rules
   builder = tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **kwargs(data_config),
                          file_format="array_record")
   if not builder.is_prepared() or split not in builder.info.splits:
