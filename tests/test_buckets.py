@@ -240,8 +240,8 @@ def test_two_processes_train_into_the_bucket_are_killed_and_resume_bit_identical
   """2 processes × 4 CPU devices write one workdir on the emulator (each its own checkpoint shards; process 1 talks
   to it through a relay that records its requests); both are SIGKILLed once checkpoints 1 and 2 landed, and a plain
   rerun (the lease of the dead process 0 taken over), followed by an eval watcher in a third process, ends with the
-  metrics of an uninterrupted single-process run on 8 devices. Process 1 writes only its checkpoint shards: the
-  run's metadata, metrics, lease and commit markers are process 0's."""
+  metrics of an uninterrupted single-process run on 8 devices. Process 1 writes only its checkpoint shards and its
+  goodput record: the run's metadata, metrics, lease and commit markers are process 0's."""
   import signal
   from conftest import run_processes, start_processes
   from gcs import Relay
@@ -287,8 +287,10 @@ def test_two_processes_train_into_the_bucket_are_killed_and_resume_bit_identical
   writes = [r for r in relay.requests if not r.startswith("GET ")]
   shard = re.compile(r"two(%2F|/)checkpoints(%2F|/)\d+(%2F|/)state(%2F|/)(ocdbt\.process_1|array_metadatas(%2F|/)process_1)")
   probe = re.compile(r"two(%2F|/)(checkpoints(%2F|/))?\.write-probe-")  # storage.check_writable: made, then deleted
-  assert writes and all(shard.search(r) or probe.search(r) for r in writes), \
-      [r for r in writes if not (shard.search(r) or probe.search(r))][:5]
+  own = re.compile(r"two(%2F|/)goodput(%2F|/)[\d.T]+-p1\.json")  # its own goodput record (goodput.py)
+  assert writes and all(shard.search(r) or probe.search(r) or own.search(r) for r in writes), \
+      [r for r in writes if not (shard.search(r) or probe.search(r) or own.search(r))][:5]
+  assert any(own.search(r) for r in writes)
   assert any(shard.search(r) for r in writes)
 
 
@@ -552,3 +554,36 @@ def test_data_staging_cut_off_by_the_server_ends_in_one_line_and_a_rerun_trains_
   finally:
     relay.stop()
     emu.stop()
+
+
+@pytest.mark.long
+def test_two_processes_stage_a_bucket_build_once_each_and_train_as_from_a_local_build(gcs, tfds_dir, tmp_path):
+  """2 processes × 4 devices (each with its own disk cache, as two hosts) train from data on the bucket: process 0
+  builds and uploads it, then each process fetches each array_record file of the build exactly once (counted by a
+  relay in front of the emulator per process) and the run equals the same two processes on a local build, bit for
+  bit."""
+  from conftest import run_processes, start_processes
+  from gcs import Relay
+  args = ["train.py", "--config", "configs/demo.py:test", "--config.total_steps=3", "--config.log_every=1",
+          "--config.eval_every=3", "--config.checkpoint_every=1"]
+  straight = tmp_path / "straight"
+  run_processes([*args, f"--config.data.data_dir={tfds_dir}", "--workdir", str(straight)], num_processes=2,
+                devices_per_process=4)
+  relays = [Relay().start(gcs.port) for _ in range(2)]
+  try:
+    procs = start_processes(
+        [*args, "--config.data.data_dir=gs://bkt/shared-tfds", "--workdir", str(tmp_path / "w")], num_processes=2,
+        devices_per_process=4, env_extra=gcs.env,
+        env_of={i: {**relays[i].env(gcs), "HNCLIP_DATA_CACHE": str(tmp_path / f"host{i}")} for i in range(2)})
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
+  finally:
+    for r in relays:
+      r.stop()
+  assert metrics_rows(tmp_path / "w") == metrics_rows(straight)
+  files = sorted(n.rsplit("/", 1)[1] for n in gcs.objects("bkt", "shared-tfds/") if ".array_record-" in n)
+  assert len(files) == 2, files  # train and test
+  for relay in relays:
+    reads = [r for r in relay.requests if r.startswith("GET ") and "alt=media" in r and ".array_record-" in r]
+    assert sorted(re.search(r"(hnclip_synthetic-\w+\.array_record-\d+-of-\d+)", r).group(1) for r in reads) == \
+        files, reads
