@@ -183,8 +183,8 @@ def test_compile_log_and_report_attribute_compiles_to_their_tests(tmp_path):
 
 @pytest.mark.long
 def test_goodput_checkpoint_memory_and_bucket_reads_scripts_run(tmp_path, tfds_dir):
-  """benchmarks/goodput.py (a tiny run killed once and resumed), checkpoint_memory.py (tiny state, both variants) and
-  bucket_reads.py (a small build on the emulator): each ends with its table."""
+  """benchmarks/goodput.py (a tiny run killed once and resumed), checkpoint_memory.py (tiny state, both variants),
+  bucket_reads.py (a small build on the emulator) and decode.py (two small JPEGs): each ends with its table."""
   run = lambda *args: subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(1), capture_output=True,  # noqa: E731
                                      text=True, timeout=900)
   proc = run("benchmarks/goodput.py", "--workdir", str(tmp_path / "gp"), "--config", "configs/demo.py:test",
@@ -201,3 +201,5 @@ def test_goodput_checkpoint_memory_and_bucket_reads_scripts_run(tmp_path, tfds_d
   proc = run("benchmarks/bucket_reads.py", "--reads", "16", "--num_train", "64", "--image_size", "32")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "| bucket, staged first |" in proc.stdout and "staging (data/staging.py)" in proc.stdout, proc.stdout
+  proc = run("benchmarks/decode.py", "--images", "2", "--sizes", "96x128", "--px", "64")
+  assert proc.returncode == 0 and "| 96×128 |" in proc.stdout, proc.stderr[-3000:]
