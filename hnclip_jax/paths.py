@@ -382,16 +382,38 @@ def move(src, dst) -> None:
     os.replace(src, dst)
 
 
-def upload_tree(src: str, dst: str) -> None:
-  """Copies the files under local directory `src` to `dst` (local or a bucket), keeping relative paths."""
-  for root, _, files in os.walk(src):
-    rel = os.path.relpath(root, src)
-    for name in files:
-      target = join(dst, name) if rel == "." else join(dst, *rel.split(os.sep), name)
-      if not is_url(target):
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-      with open(os.path.join(root, name), "rb") as f:
-        write_bytes(target, f.read())
+def upload_tree(src: str, dst: str, last: tuple[str, ...] = ()) -> None:
+  """Copies the files under local directory `src` to `dst` (local or a bucket), keeping relative paths; files named
+  in `last` go after all others (a marker a reader takes as "complete"). Each file is streamed (a bucket object
+  appears whole once its upload ends), never read into memory whole."""
+  files = sorted((os.path.relpath(os.path.join(root, f), src) for root, _, names in os.walk(src) for f in names),
+                 key=lambda rel: (os.path.basename(rel) in last, rel))
+  for rel in files:
+    target = join(dst, *rel.split(os.sep))
+    if is_url(target):
+      filesystem().put_file(os.path.join(src, rel), target)
+      continue
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(os.path.join(src, rel), "rb") as f:
+      write_bytes(target, f.read())
+
+
+def bucket_files(directory: str) -> list[dict]:
+  """Every object under bucket directory `directory`: {"path" (gs://…), "rel" (relative to it, with "/"), "size",
+  "md5" (GCS's base64 md5Hash; None for an object without one), "generation"}."""
+  prefix = str(directory).split("://", 1)[1].rstrip("/") + "/"
+  out = []
+  for name, info in filesystem().find(str(directory), detail=True).items():
+    if info.get("type") == "directory" or not name.startswith(prefix):
+      continue
+    out.append({"path": f"{scheme(directory)}://{name}", "rel": name[len(prefix):], "size": int(info["size"]),
+                "md5": info.get("md5Hash"), "generation": str(info.get("generation", ""))})
+  return sorted(out, key=lambda o: o["rel"])
+
+
+def open_read(path, block_size: int = 16 << 20):
+  """A binary file object reading `path` (a bucket object streamed in blocks of `block_size`)."""
+  return filesystem().open(str(path), "rb", block_size=block_size) if is_url(path) else open(path, "rb")
 
 
 def _download_tree(src: str, dst: str) -> None:

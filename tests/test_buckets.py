@@ -546,6 +546,10 @@ def test_data_staging_cut_off_by_the_server_ends_in_one_line_and_a_rerun_trains_
     out = run_py(args, env_extra=env)
     assert re.search(r"data: gs://bkt/tfds/hnclip_synthetic/\S+ staged in \S+ \([\d.]+ MB fetched", out.stdout)
     assert metrics_rows(tmp_path / "w") == metrics_rows(local)
+    blocked = tmp_path / "a-file"  # a cache that cannot be written (a file where its directory would go)
+    blocked.write_text("")
+    proc = run_py(args, env_extra={**env, "HNCLIP_DATA_CACHE": str(blocked / "cache")}, check=False)
+    assert_error_exit(proc, "staging gs://bkt/tfds/hnclip_synthetic/", "HNCLIP_DATA_CACHE", "then rerun")
     start = time.monotonic()
     proc = run_py([*base, "--config.data.data_dir=gs://no-such-bucket/tfds", "--workdir", str(tmp_path / "x")],
                   env_extra=env, check=False)

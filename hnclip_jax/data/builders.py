@@ -176,11 +176,7 @@ def _build_into_bucket(tfds_name: str, data_dir: str, builder_kwargs: dict, prep
   a rerun after a failed upload) never takes a half-uploaded build for a whole one."""
   with tempfile.TemporaryDirectory(prefix="hnclip_jax-build-") as local:
     tfds.builder(tfds_name, data_dir=local, **builder_kwargs).download_and_prepare(**prepare)
-    files = sorted((os.path.relpath(os.path.join(root, f), local) for root, _, names in os.walk(local)
-                    for f in names), key=lambda rel: (os.path.basename(rel) == "dataset_info.json", rel))
-    for rel in files:
-      with open(os.path.join(local, rel), "rb") as f:
-        paths.write_bytes(paths.join(data_dir, *rel.split(os.sep)), f.read())
+    paths.upload_tree(local, data_dir, last=("dataset_info.json",))
 
 
 def data_source(data_config, split: str, decode_images: bool = True):

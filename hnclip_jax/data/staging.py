@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 
-from hnclip_jax import paths
+from hnclip_jax import paths, storage
 
 CHUNK = 16 << 20
 
@@ -32,11 +32,6 @@ def local_data_dir(data_dir: str) -> str:
   return os.path.join(cache_root(), *data_dir.split("://", 1)[1].strip("/").split("/"))
 
 
-def _objects(remote: str) -> list[dict]:
-  fs = paths.filesystem()
-  return [info for info in fs.find(remote, detail=True).values() if info.get("type") != "directory"]
-
-
 def _manifest(path: str) -> dict | None:
   try:
     with open(path + ".staged.json") as f:
@@ -45,46 +40,50 @@ def _manifest(path: str) -> dict | None:
     return None
 
 
-def _want(info: dict) -> dict:
-  return {"size": int(info["size"]), "md5": info.get("md5Hash"), "generation": str(info.get("generation", ""))}
-
-
 def stage(data_dir: str, build_path: str) -> tuple[str, int, int]:
   """Copies bucket build directory `build_path` (under bucket `data_dir`) into this host's cache. Returns (the local
-  data_dir to read from, bytes fetched now, bytes reused)."""
+  data_dir to read from, bytes fetched now, bytes reused). A local disk that is full or not writable: StorageError
+  naming the file and the way out; nothing half-copied is left in place."""
   local_root = local_data_dir(data_dir)
   rel = build_path[len(data_dir.rstrip("/")):].strip("/")
   local_build = os.path.join(local_root, *rel.split("/"))
-  objects = sorted(_objects(build_path), key=lambda o: (o["name"].endswith("/dataset_info.json"), o["name"]))
+  objects = sorted(paths.bucket_files(build_path), key=lambda o: (o["rel"].endswith("dataset_info.json"), o["rel"]))
   fetched = reused = 0
-  fs = paths.filesystem()
-  prefix = build_path.split("://", 1)[1].rstrip("/") + "/"
-  for info in objects:
-    name = info["name"][len(prefix):] if info["name"].startswith(prefix) else os.path.basename(info["name"])
-    target = os.path.join(local_build, *name.split("/"))
-    want = _want(info)
+  for obj in objects:
+    target = os.path.join(local_build, *obj["rel"].split("/"))
+    want = {k: obj[k] for k in ("size", "md5", "generation")}
     if os.path.exists(target) and os.path.getsize(target) == want["size"] and _manifest(target) == want:
       reused += want["size"]
       continue
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = f"{target}.tmp{os.getpid()}"
-    md5 = hashlib.md5()
     try:
-      with fs.open(info["name"], "rb", block_size=CHUNK) as src, open(tmp, "wb") as dst:
-        while chunk := src.read(CHUNK):
-          md5.update(chunk)
-          dst.write(chunk)
-      size = os.path.getsize(tmp)
-      got = base64.b64encode(md5.digest()).decode()
-      if size != want["size"] or (want["md5"] and got != want["md5"]):
-        raise OSError(f"staging gs://{info['name']} into {target}: the copy differs from the object "
-                      f"({size} bytes, MD5 {got}; the object: {want['size']} bytes, MD5 {want['md5']}); it was "
-                      "replaced while being read, or the transfer was damaged: rerun to fetch it again")
-      with open(target + ".staged.json", "w") as f:  # before the rename: a file in place always has its manifest
-        json.dump(want, f)
-      os.replace(tmp, target)
-    finally:
-      if os.path.exists(tmp):
-        os.remove(tmp)
+      _fetch(obj, target, want)
+    except paths.Unreachable:
+      raise
+    except OSError as e:
+      raise storage.StorageError(f"staging {obj['path']} into {target} failed ({storage.describe(e)}); free space "
+                                 f"there or set HNCLIP_DATA_CACHE to a disk with room ({obj['size'] / 1e6:.1f} MB "
+                                 "for this file), then rerun") from e
     fetched += want["size"]
   return local_root, fetched, reused
+
+
+def _fetch(obj: dict, target: str, want: dict) -> None:
+  os.makedirs(os.path.dirname(target), exist_ok=True)
+  tmp = f"{target}.tmp{os.getpid()}"
+  md5 = hashlib.md5()
+  try:
+    with paths.open_read(obj["path"], CHUNK) as src, open(tmp, "wb") as dst:
+      while chunk := src.read(CHUNK):
+        md5.update(chunk)
+        dst.write(chunk)
+    size, got = os.path.getsize(tmp), base64.b64encode(md5.digest()).decode()
+    if size != want["size"] or (want["md5"] and got != want["md5"]):
+      raise ValueError(f"staging {obj['path']} into {target}: the copy differs from the object ({size} bytes, MD5 "
+                       f"{got}; the object: {want['size']} bytes, MD5 {want['md5']}); it was replaced while being "
+                       "read, or the transfer was damaged: rerun to fetch it again")
+    with open(target + ".staged.json", "w") as f:  # before the rename: a file in place always has its manifest
+      json.dump(want, f)
+    os.replace(tmp, target)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
