@@ -8,6 +8,7 @@ import functools
 import os
 import re
 import sys
+import threading
 
 import jax
 
@@ -40,12 +41,37 @@ def clean_errors(main):
       if _caused_by(e, paths.Unreachable):
         # The storage server stopped answering: the libraries' writer threads would retry against it for many
         # minutes at interpreter exit (tensorstore: ~15), and nothing they hold can reach it. End now.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2)
+        _exit_now(2)
+      _exit_within(EXIT_GRACE_S, 2)
       sys.exit(2)
 
   return wrapped
+
+
+# After the error line, a failed process gets this long to exit the normal way (atexit handlers, the distributed
+# client's shutdown); a library thread that would hold the exit longer (a background checkpoint write retrying
+# against storage that stopped answering in a way the error did not show) is cut off: chips are not held idle.
+EXIT_GRACE_S = 60.0
+
+
+def _exit_now(code: int) -> None:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
+def _exit_within(seconds: float, code: int) -> None:
+  """Once the interpreter starts to exit, ends the process with `code` if it has not exited `seconds` later: a
+  daemon timer armed by threading's exit hook, which runs before the exit waits for the library threads (so a
+  program that goes on after catching SystemExit — a test running main in-process — is not cut off)."""
+
+  def arm():
+    timer = threading.Timer(seconds, _exit_now, (code,))
+    timer.daemon = True
+    timer.start()
+
+  register = getattr(threading, "_register_atexit", None)  # what concurrent.futures uses to stop its workers
+  (register or (lambda fn: fn()))(arm)
 
 
 def _caused_by(err: BaseException, kind) -> bool:

@@ -2,6 +2,7 @@
 import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -108,8 +109,28 @@ def _env(devices, env_extra=None):
   env["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join([ROOT, SITE, env.get("PYTHONPATH", "")])
+  env["PYTHONFAULTHANDLER"] = "1"  # a process that hangs past its timeout is sent SIGABRT: every thread's stack
   env.update(env_extra or {})
   return env
+
+
+def _run_with_stacks(cmd, env, timeout):
+  """subprocess.run(cmd) with output captured; one that outlives `timeout` is sent SIGABRT first (faulthandler,
+  PYTHONFAULTHANDLER in _env, prints where every Python thread is) and the test fails with that, not a bare
+  TimeoutExpired."""
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.send_signal(signal.SIGABRT)
+    try:
+      out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      out, err = proc.communicate()
+    raise AssertionError(f"{' '.join(cmd[1:])} still ran after {timeout} s; its output and threads' stacks:\n"
+                         f"{out[-3000:]}\n{err[-12000:]}") from None
+  return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def start_processes(args, *, num_processes: int, devices_per_process: int, env_extra=None, env_of=None):
@@ -183,8 +204,7 @@ def run_py(args, *, devices: int = 1, timeout: int = 600, check: bool = True, en
     proc = run_entry(args[0], args[1:])
   else:
     env = _env(devices, env_extra)
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = _run_with_stacks([sys.executable, *args], env, timeout)
   if check and proc.returncode != 0:
     raise AssertionError(f"python {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                          f"{proc.stderr[-6000:]}")

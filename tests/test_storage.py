@@ -11,7 +11,9 @@ import resource
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -324,6 +326,33 @@ def test_os_errors_end_with_one_line_and_the_traceback_in_the_debug_log(tmp_path
   finally:
     log.close()
     storage._active = None
+
+
+def test_a_failed_process_that_a_library_thread_would_hold_open_still_exits(tmp_path):
+  """After its error line, a process whose exit waits on a non-daemon thread that never ends (a background
+  checkpoint write retrying against storage that stopped answering) exits with code 2 once cli.EXIT_GRACE_S is up;
+  one that has no such thread exits at once, as before."""
+  script = tmp_path / "held.py"
+  script.write_text(textwrap.dedent("""
+      import sys, threading, time
+      from hnclip_jax import cli
+      cli.EXIT_GRACE_S = float(sys.argv[1])
+      if sys.argv[2] == "held":
+        threading.Thread(target=time.sleep, args=(3600,), name="writer").start()  # non-daemon: exit waits for it
+
+      @cli.clean_errors
+      def main(argv):
+        raise ValueError("the write failed")
+
+      main([])
+  """))
+  for held in ("held", "free"):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script), "10", held], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    took = time.monotonic() - start
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == "error: the write failed", proc.stderr
+    assert (took >= 10) == (held == "held") and took < 60, (held, took)
 
 
 def test_check_writable_names_the_directory(tmp_path):
