@@ -6,7 +6,7 @@ import difflib
 
 import ml_collections
 
-from hnclip_jax import frameworks
+from hnclip_jax import frameworks, sharding
 from hnclip_jax.models.clip import PRESETS
 
 
@@ -233,12 +233,15 @@ MARGINS = ("geometry", "constant", "shuffled", "topk")
 DIRECTIONS = ("both", "i2t", "t2i")
 
 
-def check_margin_settings(config) -> None:
-  """The global term's margin control and HN-NCE settings: a setting that would do nothing is refused by name."""
-  loss, defaults = config.loss, base_config().loss
+def check_margin_settings(loss, gamma: float | None = None) -> None:
+  """The global term's margin control and HN-NCE settings — config.loss, or a ContrastiveTerm with its objective's
+  `gamma` (the same names; Objective.check): a value outside the choices, or a setting that would do nothing, is
+  refused by name."""
+  defaults = base_config().loss
+  gamma = float(loss.gamma if gamma is None else gamma)
   if loss.margin not in MARGINS:
     raise ValueError(f"config.loss.margin={loss.margin!r}; choose one of {list(MARGINS)}")
-  if loss.margin != defaults.margin and float(loss.gamma) == 0:
+  if loss.margin != defaults.margin and gamma == 0:
     raise ValueError(f"config.loss.margin={loss.margin!r} set, but config.loss.gamma=0 adds no margin to shape. "
                      "Set gamma > 0, or drop it")
   if loss.margin_value != defaults.margin_value and loss.margin != "constant":
@@ -255,7 +258,7 @@ def check_margin_settings(config) -> None:
                      "margin='topk', or drop it")
   if loss.margin_directions not in DIRECTIONS:
     raise ValueError(f"config.loss.margin_directions={loss.margin_directions!r}; choose one of {list(DIRECTIONS)}")
-  if loss.margin_directions != defaults.margin_directions and (loss.kind != "softmax" or float(loss.gamma) == 0):
+  if loss.margin_directions != defaults.margin_directions and (loss.kind != "softmax" or gamma == 0):
     raise ValueError(f"config.loss.margin_directions={loss.margin_directions!r} set, but it chooses which of the "
                      "softmax loss's two cross-entropies get the margin: it needs loss.kind='softmax' and gamma > 0. "
                      "Drop it, or set those")
@@ -265,6 +268,21 @@ def check_margin_settings(config) -> None:
   if loss.kind == "sigmoid" and loss.sigmoid_schedule == "ring" and loss.margin in ("shuffled", "topk"):
     raise ValueError(f"config.loss.margin={loss.margin!r} needs each row's whole Ḡ, which the sigmoid loss's ring "
                      "schedule never holds: set config.loss.sigmoid_schedule='gather'")
+
+
+NEGATIVES = ("micro_batch", "global_batch")  # config.loss.negatives: whose captions a micro-batch's rows score
+
+
+def check_negatives(negatives: str) -> None:
+  if negatives not in NEGATIVES:
+    raise ValueError(f"config.loss.negatives={negatives!r}; choose one of {NEGATIVES}")
+
+
+def check_chunk_size(chunk: int, rows: int) -> None:
+  """config.loss.chunk_size against the `rows` each device's loss scores at a time (0 or >= rows: all at once)."""
+  if chunk and chunk < rows and rows % chunk:
+    raise ValueError(f"config.loss.chunk_size={chunk} must divide the per-device micro-batch {rows} (batch_size / "
+                     "grad_accum_steps / batch shards)")
 
 
 def _normalised(v):
@@ -410,9 +428,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   framework_fields(config)  # config.framework and the frameworks' blocks too
   check_loss_kind(config)
   check_token_settings(config)
-  check_margin_settings(config)
+  check_margin_settings(config.loss)
   if config.on_nonfinite not in ("error", "skip"):
     raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; choose 'error' or 'skip'")
+  check_negatives(config.loss.negatives)
   if int(config.grad_accum_steps) == 1 and config.loss.negatives != base_config().loss.negatives:
     raise ValueError(f"config.loss.negatives={config.loss.negatives!r} does not apply: with config.grad_accum_steps=1 "
                      "the micro-batch is the global batch. Set config.grad_accum_steps > 1, or drop it")
@@ -421,12 +440,5 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                      "config.async_checkpointing=False writes each checkpoint before training goes on. Drop one")
   check_benchmarks(config)
   profile_steps(config)
-  axes = [config.mesh[a] for a in ("data", "fsdp", "tensor")]
-  if sum(a == -1 for a in axes) > 1 or any(a == 0 or a < -1 for a in axes):
-    raise ValueError(f"config.mesh (data, fsdp, tensor) = {tuple(axes)}: sizes must be positive, "
-                     "with at most one -1 (= fill with the remaining devices)")
-  dcn = [config.mesh.get("dcn", {}).get(a, 1) for a in ("data", "fsdp", "tensor")]
-  if sum(a == -1 for a in dcn) > 1 or any(a == 0 or a < -1 for a in dcn):
-    raise ValueError(f"config.mesh.dcn (data, fsdp, tensor) = {tuple(dcn)}: sizes must be positive, "
-                     "with at most one -1 (= fill with the remaining slices or hosts)")
+  sharding.check_mesh_sizes(config.mesh)
   return config

@@ -64,7 +64,6 @@ def resolve(config, workdir: str | None, purpose: str, *, overrides: dict | None
   lock = preemption.WorkdirLock(workdir)
   try:
     mesh = sharding.make_mesh(config.mesh, devices)
-    sharding.check_batch_size(config.batch_size, mesh)
     sharding.check_batch_size(config.eval_batch_size, mesh, "config.eval_batch_size")
     train_step.check_accumulation(config, mesh)
     sources = {"train": builders.data_source(config.data, config.data.train_split),

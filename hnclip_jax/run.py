@@ -50,7 +50,6 @@ class Run:
     objective = None
     if purpose != "eval":
       objective = Objective.from_config(config.loss, config)
-      sharding.check_batch_size(config.batch_size, mesh)
       train_step.check_accumulation(config, mesh)
       sharding.check_model_fits(model, mesh, rules)
       objective.check(model)

@@ -71,6 +71,16 @@ def constrain_batch(x):
   return jax.lax.with_sharding_constraint(x, P(batch, *([None] * (x.ndim - 1))))
 
 
+def check_mesh_sizes(mesh_config) -> None:
+  """config.mesh's sizes, before any device is known: each axis positive or -1 (= fill), at most one -1; the same
+  for config.mesh.dcn. Raises naming the sizes (config.validate, and every mesh built from a config)."""
+  for name, sizes, fill in (("config.mesh", [mesh_config[a] for a in MESH_AXES], "devices"),
+                            ("config.mesh.dcn", list(dcn_sizes(mesh_config)), "slices or hosts")):
+    if sum(a == -1 for a in sizes) > 1 or any(a == 0 or a < -1 for a in sizes):
+      raise ValueError(f"{name} (data, fsdp, tensor) = {tuple(sizes)}: sizes must be positive, "
+                       f"with at most one -1 (= fill with the remaining {fill})")
+
+
 def mesh_shape(mesh_config, num_devices: int, name: str = "config.mesh",
                what: str = "devices") -> tuple[int, int, int]:
   """Resolves config.mesh (one axis may be -1) against the device count; raises naming the sizes."""
@@ -116,6 +126,7 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   (`mesh_utils.create_hybrid_device_mesh`), so only collectives along an axis with a DCN size > 1 leave a granule.
   """
   devices = jax.devices() if devices is None else list(devices)
+  check_mesh_sizes(mesh_config)
   dcn = dcn_sizes(mesh_config)
   types = (AxisType.Auto,) * len(MESH_AXES)
   if all(s == 1 for s in dcn):
@@ -192,11 +203,17 @@ def batch_shards(mesh: Mesh) -> int:
   return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
-def check_batch_size(batch_size: int, mesh: Mesh, name: str = "config.batch_size") -> None:
+def check_batch_size(batch_size: int, mesh: Mesh, name: str = "config.batch_size", accum_steps: int = 1) -> int:
+  """A global batch must split evenly over the mesh's batch shards (and into `accum_steps` micro-batches); raises
+  naming the config keys. Returns the per-device (micro-)batch."""
   n = batch_shards(mesh)
-  if batch_size % n:
+  if accum_steps == 1 and batch_size % n:
     raise ValueError(f"{name}={batch_size} is not divisible by the {n} batch shards of the mesh "
                      f"(data × fsdp = {mesh.shape['data']} × {mesh.shape['fsdp']}); use a multiple of {n}")
+  if batch_size % (accum_steps * n):
+    raise ValueError(f"{name}={batch_size} must be divisible by config.grad_accum_steps={accum_steps} × "
+                     f"the {n} batch shards = {accum_steps * n}")
+  return batch_size // (accum_steps * n)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

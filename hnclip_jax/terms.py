@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from hnclip_jax import losses
-from hnclip_jax.config import DIRECTIONS, MARGINS
+from hnclip_jax.config import check_chunk_size, check_margin_settings
 from hnclip_jax.frameworks.base import Context, Term
 
 TOKEN_OUTPUTS = ("img_tokens", "txt_tokens", "txt_mask")
@@ -85,20 +85,7 @@ class ContrastiveTerm(Term):
     return losses.MarginShape("shuffled", key=key, row_offset=ctx.offset)
 
   def check(self, model_cfg, objective) -> None:
-    del objective
-    if self.margin not in MARGINS:
-      raise ValueError(f"config.loss.margin={self.margin!r}; choose one of {list(MARGINS)}")
-    if self.margin_directions not in DIRECTIONS:
-      raise ValueError(f"config.loss.margin_directions={self.margin_directions!r}; choose one of {list(DIRECTIONS)}")
-    if self.kind == "sigmoid" and self.margin_directions != "both":
-      raise ValueError(f"config.loss.margin_directions={self.margin_directions!r}: the sigmoid loss scores each pair "
-                       "once, in no direction; drop it")
-    if self.kind == "sigmoid" and self.hn_nce_beta:
-      raise ValueError(f"config.loss.hn_nce_beta={self.hn_nce_beta} re-weights the softmax's negatives; the sigmoid "
-                       "loss scores each pair on its own. Use loss.kind='softmax', or drop it")
-    if self.kind == "sigmoid" and self.sigmoid_schedule == "ring" and self.margin in ("shuffled", "topk"):
-      raise ValueError(f"config.loss.margin={self.margin!r} needs each row's whole Ḡ, which the sigmoid loss's ring "
-                       "schedule never holds: set config.loss.sigmoid_schedule='gather'")
+    check_margin_settings(self, objective.gamma)
     if self.kind == "sigmoid" and not model_cfg.logit_bias:
       raise ValueError("config.loss.kind='sigmoid' needs the model's learned logit bias b (z = t·cos + b): start "
                        "from a SigLIP checkpoint or preset (they have one), or set config.model.logit_bias=True "
@@ -124,8 +111,7 @@ class ContrastiveTerm(Term):
       return losses.sigmoid_rows_ring(img, txt, scale, bias, gamma, ctx.offset, ctx.axes, ctx.batch // n, shape)
     if not chunk or chunk >= n:
       return losses.sigmoid_rows(img, txt, ctx.txt_all, scale, bias, gamma, ctx.offset, shape)
-    if n % chunk:
-      raise ValueError(f"config.loss.chunk_size={chunk} must divide the per-device batch {n}")
+    check_chunk_size(chunk, n)
 
     @jax.checkpoint
     def block(k, img_c, txt_c):
@@ -143,8 +129,7 @@ class ContrastiveTerm(Term):
     if not chunk or chunk >= n:
       return losses.contrastive_rows(img, txt, ctx.img_all, ctx.txt_all, scale, gamma, ctx.offset, shape=shape,
                                      hn_nce_beta=beta, directions=self.margin_directions)
-    if n % chunk:
-      raise ValueError(f"config.loss.chunk_size={chunk} must divide the per-device batch {n}")
+    check_chunk_size(chunk, n)
 
     @jax.checkpoint
     def block(k, img_c, txt_c):

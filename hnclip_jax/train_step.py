@@ -11,13 +11,13 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hnclip_jax import sharding
+from hnclip_jax.config import check_chunk_size, check_negatives
 from hnclip_jax.models import abstract_model, bind, init_params
 from hnclip_jax.objective import GLOBAL_OUTPUTS, Objective
 from hnclip_jax.optim import (SCALE_PARAM, clamp_logit_scale, freeze_patterns, frozen_predicate, logit_scale_max,
                               lr_schedule, make_optimizer, param_path)
 
 
-NEGATIVES = ("micro_batch", "global_batch")
 
 
 def init_state(params, tx) -> dict:
@@ -44,19 +44,11 @@ def initial_state(tx, shardings, *, model_cfg=None, seed: int = 0, params=None) 
 
 
 def check_accumulation(config, mesh) -> None:
-  """Micro-batches must split evenly over the batch shards; raises naming the config keys."""
-  a = config.grad_accum_steps
-  if config.loss.negatives not in NEGATIVES:
-    raise ValueError(f"config.loss.negatives={config.loss.negatives!r}; choose one of {NEGATIVES}")
-  shards = sharding.batch_shards(mesh)
-  if config.batch_size % (a * shards):
-    raise ValueError(f"config.batch_size={config.batch_size} must be divisible by config.grad_accum_steps={a} × "
-                     f"the {shards} batch shards = {a * shards}")
-  per_device = config.batch_size // (a * shards)
-  chunk = config.loss.chunk_size
-  if chunk and per_device % chunk and chunk < per_device:
-    raise ValueError(f"config.loss.chunk_size={chunk} must divide the per-device micro-batch "
-                     f"{per_device} (batch_size / grad_accum_steps / batch shards)")
+  """The global batch splits evenly over the batch shards and micro-batches, and each device's micro-batch into
+  loss chunks; raises naming the config keys."""
+  check_negatives(config.loss.negatives)
+  rows = sharding.check_batch_size(config.batch_size, mesh, accum_steps=config.grad_accum_steps)
+  check_chunk_size(config.loss.chunk_size, rows)
 
 
 def make_forward(graphdef, objective: Objective, frozen=None, mesh=None):
@@ -126,8 +118,7 @@ def make_outputs_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, 
 def make_loss_of_outputs(mesh, objective: Objective, accum_steps: int = 1, negatives: str = "global_batch"):
   """(float outputs, mask outputs) of the whole batch -> (loss, aux) as `objective` returns them, with the
   negatives of `negatives`: the whole batch, or each of the `accum_steps` micro-batches on its own (averaged)."""
-  if negatives not in NEGATIVES:
-    raise ValueError(f"config.loss.negatives={negatives!r}; choose one of {NEGATIVES}")
+  check_negatives(negatives)
   if accum_steps == 1 or negatives == "global_batch":
     return lambda floats, masks, step=None: objective({**floats, **masks}, mesh, step)
   split, merge = _micro_batching(mesh, accum_steps)
@@ -165,8 +156,7 @@ def make_grad_fn(graphdef, mesh, objective: Objective, accum_steps: int = 1, neg
   if accum_steps == 1:
     return lambda params, batch, rng=None, step=None: jax.value_and_grad(loss_fn, has_aux=True)(
         params, inputs(batch), _fold(rng, 0), step)
-  if negatives not in NEGATIVES:
-    raise ValueError(f"config.loss.negatives={negatives!r}; choose one of {NEGATIVES}")
+  check_negatives(negatives)
   split, _ = _micro_batching(mesh, accum_steps)
 
   def micro_batch_negatives(params, batch, rng=None, step=None):

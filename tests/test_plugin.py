@@ -57,8 +57,9 @@ def test_an_outside_framework_is_loaded_checked_and_reaches_the_batch():
   clash = staticmethod(lambda config, model_cfg: {"tokens": ((77,), "int32")})
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(patch_align.PatchAlign, "input_specs", clash)
-    with pytest.raises(ValueError, match=r"config.framework='patch_align:PatchAlign': its inputs \['tokens'\] have "
-                                         r"the names of the core's batch entries \['image', 'tokens', 'index'\]"):
+    with pytest.raises(ValueError, match=r"config.framework='patch_align:PatchAlign': its per-example inputs "
+                                         r"\['tokens'\] have the names of the core's batch entries "
+                                         r"\['image', 'tokens', 'index'\]"):
       experiment.Run.of(c, model_cfg, mesh)
   from hnclip_jax.data.tokenizer import WordTokenizer
   pre = pipeline._Preprocess(WordTokenizer.fit(["a cat"], context_length=8), 8,

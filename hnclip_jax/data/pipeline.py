@@ -5,7 +5,7 @@ import grain
 import numpy as np
 from PIL import Image
 
-from hnclip_jax.frameworks.base import BATCH_KEYS  # the core's batch entries; a framework's inputs take other names
+from hnclip_jax.frameworks.base import check_input_names  # a framework's inputs take no core batch entry's name
 
 
 # OpenAI CLIP's pixel statistics (RGB, [0, 1] scale).
@@ -103,10 +103,7 @@ class _Preprocess(grain.transforms.Map):
     out = {"image": image, "tokens": self.tokenizer([text])[0]}
     if self.extra is not None:  # a framework's own per-example inputs (frameworks: `inputs`)
       extra = self.extra(ex, text, pixels, seed, step, index)
-      clash = sorted(set(extra) & set(BATCH_KEYS))
-      if clash:
-        raise ValueError(f"the framework's per-example inputs {clash} have the names of the core's batch entries "
-                         f"{list(BATCH_KEYS)}; rename them (its `inputs` and `input_specs`)")
+      check_input_names(extra, "the framework's `inputs`")
       out.update(extra)
     return out
 

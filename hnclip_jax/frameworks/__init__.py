@@ -17,7 +17,8 @@ import importlib
 
 import ml_collections
 
-from hnclip_jax.frameworks.base import BATCH_KEYS, HOOKS, Context, Framework, Score, Term, check_framework
+from hnclip_jax.frameworks.base import (HOOKS, Context, Framework, Score, Term, check_framework,
+                                       check_input_names)
 
 # config.framework -> the module of a built-in framework ("longclip": L_HN alone, no module).
 REGISTRY = {"longclip": None, "finelip": "hnclip_jax.frameworks.finelip", "goal": "hnclip_jax.frameworks.goal",
@@ -169,10 +170,7 @@ def input_specs(config, model_cfg) -> dict:
   raises when one takes the name of a core batch entry (image, tokens, index)."""
   specs = hook(config, "input_specs")
   specs = {} if specs is None else dict(specs(config, model_cfg))
-  clash = sorted(set(specs) & set(BATCH_KEYS))
-  if clash:
-    raise ValueError(f"config.framework={check_name(config)!r}: its inputs {clash} have the names of the core's "
-                     f"batch entries {list(BATCH_KEYS)}; rename them (its `inputs` and `input_specs`)")
+  check_input_names(specs, f"config.framework={check_name(config)!r}")
   return specs
 
 

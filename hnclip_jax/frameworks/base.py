@@ -25,6 +25,17 @@ BATCH_KEYS = {
     "index": "[B] int64 each example's record index in the split (host side: the input pipeline and a framework's `inputs` see it; the train step's batch does not carry it)",
 }
 
+
+
+def check_input_names(names, who: str) -> None:
+  """A framework's per-example inputs (declared by its `input_specs`, or made by its `inputs`) may not take the
+  name of a core batch entry; `who` starts the message (the framework, or the pipeline's view of it)."""
+  clash = sorted(set(names) & set(BATCH_KEYS))
+  if clash:
+    raise ValueError(f"{who}: its per-example inputs {clash} have the names of the core's batch entries "
+                     f"{list(BATCH_KEYS)}; rename them (its `inputs` and `input_specs`)")
+
+
 # The model outputs the core makes (`CLIP.__call__`); a term's `outputs` add more. Only "scale" and "bias" lack the
 # batch dimension.
 OUTPUT_KEYS = {

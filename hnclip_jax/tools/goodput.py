@@ -22,7 +22,6 @@ FLAGS = flags.FLAGS
 @clean_errors
 def main(argv):
   del argv
-  from hnclip_jax import goodput, paths
   from hnclip_jax.workdir import Workdir
   wd = Workdir(FLAGS.workdir)
   rows = wd.goodput_records()
