@@ -120,14 +120,14 @@ def main(argv):
       bench_lib.metric(bench_lib.table([_placeholder(b) for b in benchmarks]), config.eval.best_metric)
     log(f"watching {wd.checkpoints} (every {FLAGS.watch_poll_s:g} s; ends after the final step, or "
         f"{FLAGS.watch_timeout_s:g} s without a new checkpoint); best by {config.eval.best_metric} -> "
-        f"{job.best_dir(workdir)}")
+        f"{wd.best}")
     summary = job.watch(ev, poll_s=FLAGS.watch_poll_s, timeout_s=FLAGS.watch_timeout_s,
                         newest_only=FLAGS.watch_newest_only, metric=config.eval.best_metric)
     best = summary["best"]
     log(f"evaluated steps {summary['evaluated']}" + (f", skipped {summary['skipped']}" if summary["skipped"] else "")
         + (f", missed {summary['missed']} (deleted before this job saw them)" if summary["missed"] else "")
-        + (f"; best: step {best['step']} ({config.eval.best_metric} {best['value']:.2f}) in {job.best_dir(workdir)}"
-           if best else "") + f"; history: {wd.eval_history}, TensorBoard: {paths.join(workdir, job.WATCH_TENSORBOARD)}")
+        + (f"; best: step {best['step']} ({config.eval.best_metric} {best['value']:.2f}) in {wd.best}"
+           if best else "") + f"; history: {wd.eval_history}, TensorBoard: {wd.eval_tensorboard}")
     ev.close()
     return
   _meta, params = ev.read(step)
@@ -161,7 +161,7 @@ def main(argv):
           meta={"workdir": workdir, "step": int(step), "data": experiment.describe_data(b.data), "split": b.split,
                 "images": r["num_images"], "captions": r["num_captions"]})
       log(f"report: {paths.join(target, os.path.basename(page))}")
-  what = (f"{len(rows)} benchmarks; wrote {paths.join(workdir, job.EVAL_TABLE)}.md/.json and {wd.eval_results}"
+  what = (f"{len(rows)} benchmarks; wrote {wd.eval_table('md')}, {wd.eval_table('json')} and {wd.eval_results}"
           if FLAGS.benchmarks else
           f"{embedding.describe_counts(rows[0])} of {experiment.describe_data(benchmarks[0].data)}, split "
           f"'{benchmarks[0].split}'; wrote {wd.eval_results}")

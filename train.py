@@ -51,7 +51,7 @@ def train(account):
   quiet_libraries()
   run = experiment.resolve(FLAGS.config, resolve_workdir(FLAGS.workdir), "train",
                            overrides=config_flags.get_override_values(FLAGS["config"]))
-  config, workdir, wd, mesh, model_cfg, tokenizer = run.config, run.workdir, run.wd, run.mesh, run.model, run.tokenizer
+  config, wd, mesh, model_cfg, tokenizer = run.config, run.wd, run.mesh, run.model, run.tokenizer
   lock = run.lock
   log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, "
       f"{jax.process_count()} process(es){sharding.describe_dcn(mesh, config.mesh)}")
@@ -108,20 +108,21 @@ def train(account):
                 if config.diagnostics.every else None)
   meta = {"model": dataclasses.asdict(model_cfg), "tokenizer": tokenizer.kind, "mesh": dict(mesh.shape),
           "config": json.loads(config.to_json()), "code_version": hnclip_jax.code_version()}
-  writer = MetricsWriter(workdir)
+  writer = MetricsWriter(wd.metrics, wd.tensorboard)
   writer.truncate_after(start)
   plan = None
   if config.data.batching == "clustered":  # batches of caption neighbours under the start model (data/clustering.py)
-    index = clustering.read_index(workdir, len(train_source))
+    index = clustering.read_index(wd.caption_index, wd.caption_index_meta, len(train_source))
     if index is None and start > 0:
-      raise ValueError(f"{clustering.index_paths(workdir)[0]} is missing: this run's clustered batches come from its "
+      raise ValueError(f"{wd.caption_index} is missing: this run's clustered batches come from its "
                        "start model's caption embeddings, stored at its first start, and cannot be made again from a "
                        "later checkpoint. Restore the file, or start a new workdir")
     if index is None:
       index = embedding.embed_captions(state["params"], embed_fn, pipeline.caption_lists(builders.data_source(
           config.data, config.data.train_split, decode_images=False)), tokenizer, mesh, config.eval_batch_size)
       if jax.process_index() == 0:
-        clustering.write_index(workdir, index, config.init_from or f"initial parameters (seed {config.seed})")
+        clustering.write_index(wd.caption_index, wd.caption_index_meta, index,
+                               config.init_from or f"initial parameters (seed {config.seed})")
     plan = clustering.ClusteredBatches(index, config.batch_size, config.seed)
     crowd = clustering.mean_in_batch_similarity(index, plan.plan(0))
     spread = clustering.mean_in_batch_similarity(index, clustering.random_plan(len(index), config.batch_size,
@@ -171,7 +172,7 @@ def train(account):
   # ---- Training loop ---------------------------------------------------------
   stop = preemption.StopRequest()
   progress = Progress(start, config.total_steps)
-  profiler = StepProfiler(config_lib.profile_steps(config), config.profile.processes, workdir, start)
+  profiler = StepProfiler(config_lib.profile_steps(config), config.profile.processes, wd, start)
   throughput = Throughput(start, jax.devices()[0].device_kind)
   log(f"training steps {start} -> {config.total_steps}, global batch {config.batch_size} "
       f"({config.grad_accum_steps} micro-batches, negatives over the {config.loss.negatives.replace('_', ' ')}), "
@@ -242,7 +243,7 @@ def train(account):
     except storage.StorageError as e:  # a log or event file: say what survived and what to do
       if isinstance(e, checkpoint.CheckpointError):
         raise
-      fix = ("Once the bucket answers again (docs/buckets.md)," if paths.is_url(workdir) else
+      fix = ("Once the bucket answers again (docs/buckets.md)," if paths.is_url(wd.path) else
              "Free space or fix the directory, then")
       raise storage.StorageError(f"{e}; {ckpt.intact_note()}. {fix} rerun the same command to resume") from e
   except BaseException as e:

@@ -150,7 +150,7 @@ def _same(saved, got, rtol=1e-4) -> bool:
   return saved.shape == got.shape and bool(np.all(np.abs(saved - got) <= rtol * np.abs(saved) + 1e-6))
 
 
-FROZEN_DIR = "frozen_params"  # beside the step directories: <checkpoints>_frozen_params
+FROZEN_DIR = "frozen_params"  # beside the step directories: <checkpoints>_frozen_params (a Workdir names its own)
 
 
 def _path(k) -> str:
@@ -182,12 +182,15 @@ def graft(a: dict, b: dict) -> dict:
 class Checkpointer:
 
   def __init__(self, directory: str, max_to_keep: int = 3, async_save: bool = True, create: bool = True,
-               retries: int = 3, retry_wait_s: float = 1.0, frozen=None, overlap_steps: int | None = None):
-    """frozen: parameter path -> True for parameters stored once in the frozen store, not in every step.
-    overlap_steps: check(step) waits for a background save once it has run beside this many steps (None: never
-    waits; a failure then shows when the write ends, or at the next save)."""
+               retries: int = 3, retry_wait_s: float = 1.0, frozen=None, overlap_steps: int | None = None,
+               frozen_dir: str | None = None, damaged_dir: str | None = None):
+    """frozen: parameter path -> True for parameters stored once in the frozen store (`frozen_dir`), not in every
+    step. overlap_steps: check(step) waits for a background save once it has run beside this many steps (None:
+    never waits; a failure then shows when the write ends, or at the next save). damaged_dir: where damaged steps
+    are set aside. A run's Checkpointer gets both from its Workdir; by default they are siblings of `directory`."""
     self.directory = paths.resolve(directory, "checkpoint directory")
-    self.frozen_dir = self.directory.rstrip("/") + "_" + FROZEN_DIR
+    self.frozen_dir = frozen_dir or self.directory.rstrip("/") + "_" + FROZEN_DIR
+    self.damaged_dir = damaged_dir or self.directory.rstrip("/") + "_damaged"
     self.frozen = frozen
     self._frozen_fingerprint = None
     self._pending = None  # the step of the latest save started (async), until it is known to have failed
@@ -441,7 +444,7 @@ class Checkpointer:
     if not steps:
       return
     if jax.process_index() == 0:
-      aside = self.directory.rstrip("/") + "_damaged"
+      aside = self.damaged_dir
       paths.makedirs(aside)
       for step in steps:
         dst = paths.join(aside, f"{step}-{int(time.time())}")

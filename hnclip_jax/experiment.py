@@ -46,8 +46,8 @@ def resolve(config, workdir: str | None, purpose: str, *, overrides: dict | None
     return Run.of(config, compile_model(config), mesh, purpose=purpose)
   if purpose == "train":
     preemption.check_workdir(workdir)
-  storage.start_debug_log(workdir)  # library tracebacks go there; the console keeps one line per problem
   wd = Workdir(workdir)
+  storage.start_debug_log(wd.debug_log)  # library tracebacks go there; the console keeps one line per problem
   config, data_note = resolve_data(config, wd, overrides or {}, training=purpose == "train")
   if purpose == "eval":
     config = config_lib.freeze(config)
@@ -55,13 +55,13 @@ def resolve(config, workdir: str | None, purpose: str, *, overrides: dict | None
     cli.maybe_initialize_distributed()
     mesh = sharding.make_mesh(config.mesh, devices)
     model, tokenizer, _ = resolve_model(config, wd, training=False)
-    return Run.of(config, model, mesh, purpose=purpose, tokenizer=tokenizer, workdir=workdir, wd=wd,
+    return Run.of(config, model, mesh, purpose=purpose, tokenizer=tokenizer, wd=wd,
                   data_note=data_note)
   preflight(config)
   storage.check_writable(wd.checkpoints, "the checkpoint directory")  # fail now, not at the first save
   cli.enable_compilation_cache(config.compilation_cache_dir)
   cli.maybe_initialize_distributed()
-  lock = preemption.WorkdirLock(workdir)
+  lock = preemption.WorkdirLock(wd)
   try:
     mesh = sharding.make_mesh(config.mesh, devices)
     sharding.check_batch_size(config.eval_batch_size, mesh, "config.eval_batch_size")
@@ -72,7 +72,7 @@ def resolve(config, workdir: str | None, purpose: str, *, overrides: dict | None
       wd.save_data(config.data)
     config = config_lib.freeze(resolve_epoch_settings(config, len(sources["train"])))
     model, tokenizer, init_params = resolve_model(config, wd, training=True)
-    return Run.of(config, model, mesh, purpose=purpose, tokenizer=tokenizer, workdir=workdir, wd=wd,
+    return Run.of(config, model, mesh, purpose=purpose, tokenizer=tokenizer, wd=wd,
                   data_note=data_note, sources=sources, init_params=init_params, lock=lock)
   except BaseException:
     lock.release()

@@ -42,12 +42,12 @@ class MetricsWriter:
   StorageError naming the file and the step (the event files' writer thread included: its errors surface at the
   next write instead of hanging the run)."""
 
-  def __init__(self, workdir: str, enabled: bool | None = None, *, jsonl: str | None = "metrics.jsonl",
-               tb_dir: str | None = None):
-    """jsonl: the JSON-lines file in `workdir` (None: TensorBoard only); tb_dir: default WORKDIR/tensorboard."""
+  def __init__(self, jsonl: str | None, tb_dir: str, enabled: bool | None = None):
+    """jsonl: the JSON-lines file (a run's Workdir.metrics; None: TensorBoard only); tb_dir: the event files' folder
+    (Workdir.tensorboard, or .eval_tensorboard for an eval job); enabled: default on process 0 only."""
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
-    self.path = paths.join(workdir, jsonl) if jsonl else None
-    self.tb_dir = tb_dir or paths.join(workdir, "tensorboard")
+    self.path = jsonl
+    self.tb_dir = tb_dir
     self._tb = None
     # A bucket has no append: the events are written to a local file and that file is uploaded whole, as one object,
     # after every flush (what TensorFlow's gfile does on GCS), so TensorBoard never reads a half-written file.
@@ -205,12 +205,12 @@ class StepProfiler:
   files are uploaded when the trace stops (as TensorBoard's event files are), so traces reach gs:// through the same
   client as everything else (the profiler's own GCS client ignores the emulator and the retry rules of paths.py)."""
 
-  def __init__(self, steps: tuple[int, int] | None, processes: str, workdir: str, start_step: int = 0):
+  def __init__(self, steps: tuple[int, int] | None, processes: str, wd, start_step: int = 0):
+    """wd: the run's Workdir (its tensorboard folder and each process's profile_dir)."""
     self.first, self.last = steps or (0, -1)
     index = jax.process_index()
     self.active = steps is not None and (processes == "all" or index == 0) and self.last > start_step
-    self.root = paths.join(workdir, "tensorboard")
-    self.dir = paths.join(self.root, *([f"process_{index}"] if index else []))
+    self.root, self.dir = wd.tensorboard, wd.profile_dir(index)
     self.tracing, self._from, self._staging = False, None, None
     if steps is not None and self.first <= start_step:
       log(f"config.profile.steps={self.first}:{self.last}: this run starts after step {start_step}, so "

@@ -80,14 +80,15 @@ class WorkdirLock:
   that vanished (a preempted VM) expires LEASE_TTL_S after its last renewal — that wait, or deleting the object,
   is what a SIGKILL costs on a bucket."""
 
-  def __init__(self, workdir: str):
-    self.path = paths.join(workdir, ".lock")
+  def __init__(self, wd):
+    """wd: the run's Workdir (its `lock` and `lease` paths)."""
+    workdir, self.path = wd.path, wd.lock
     self._fd = None
     self._lease = None
     if jax.process_index() != 0:
       return
     if paths.is_url(workdir):
-      self._lease = Lease(paths.join(workdir, ".lease"))
+      self._lease = Lease(wd.lease)
       return
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     try:

@@ -32,8 +32,7 @@ class Run:
   framework: object
   objective: Objective | None
   tokenizer: object = None
-  workdir: str | None = None
-  wd: object = None  # hnclip_jax.workdir.Workdir
+  wd: object = None  # hnclip_jax.workdir.Workdir: the run directory (wd.path) and every path in it
   data_note: str = ""
   sources: dict = dataclasses.field(default_factory=dict)
   init_params: object = dataclasses.field(default=None, repr=False)

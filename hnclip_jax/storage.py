@@ -14,6 +14,7 @@ import errno
 import json
 import logging as std_logging
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -21,7 +22,6 @@ import traceback
 
 from hnclip_jax import paths
 
-DEBUG_LOG = "debug.log"
 
 
 class StorageError(RuntimeError):
@@ -68,6 +68,25 @@ def append_jsonl(path: str, row: dict) -> None:
 def write_text_atomic(path: str, text: str) -> None:
   """A reader sees the old file or the new one, never half of one (a failed write leaves no temp file)."""
   paths.write_text(path, text)
+
+
+def replace_dir(final: str, write) -> None:
+  """`final` replaced by the directory `write(path)` fills, only once it is complete: a reader sees the old one or
+  the new one. Local: filled beside it (`final`.tmp) and renamed over it (the old one kept as `final`.old until
+  then). A bucket cannot rename: the old objects are removed and the new ones written in place, so `write` must
+  write the file that marks the directory complete last."""
+  if paths.is_url(final):
+    paths.rmtree(final)
+    write(final)
+    return
+  tmp, old = final + ".tmp", final + ".old"
+  shutil.rmtree(tmp, ignore_errors=True)
+  write(tmp)
+  shutil.rmtree(old, ignore_errors=True)
+  if os.path.exists(final):
+    os.replace(final, old)
+  os.replace(tmp, final)
+  shutil.rmtree(old, ignore_errors=True)
 
 
 def read_jsonl(path: str) -> tuple[list[dict], list[tuple[int, str]]]:
@@ -194,11 +213,12 @@ class _LazyFile:
 
 class DebugLog:
   """While active: warnings and errors of every library (with their tracebacks) and uncaught exceptions of
-  background threads go to DIR/debug.log (created at the first record; in the temp directory when DIR cannot be
-  written); the console keeps one-line warnings and this package's own messages. `path` is where the records go."""
+  background threads go to the file `path` (a workdir's debug.log: Workdir.debug_log; created at the first
+  record, in the temp directory when it cannot be written); the console keeps one-line warnings and this package's
+  own messages. `path` is where the records go."""
 
-  def __init__(self, directory: str):
-    self._file = _LazyFile(os.path.join(directory, DEBUG_LOG))
+  def __init__(self, path: str):
+    self._file = _LazyFile(path)
     self.records = 0
     self.last_error = None  # first line of the latest ERROR record: the cause a later one-line error can quote
     self._handler = _FileHandler(self._file)
@@ -264,11 +284,11 @@ class DebugLog:
 _active: DebugLog | None = None
 
 
-def start_debug_log(directory: str) -> DebugLog:
-  """Starts (once per process) the debug log of an entry point's workdir."""
+def start_debug_log(path: str) -> DebugLog:
+  """Starts (once per process) the debug log of an entry point's workdir (its Workdir.debug_log)."""
   global _active
   if _active is None:
-    _active = DebugLog(directory)
+    _active = DebugLog(path)
   return _active
 
 

@@ -1,19 +1,5 @@
-"""The on-disk formats of a train.py workdir and of a converted weights directory: their one reader and writer.
-
-    WORKDIR/                       written by train.py, read by train.py (resume), eval.py and pretrained.load
-      model.json                   the resolved architecture (CLIPConfig without the runtime fields)
-      tokenizer/                   the tokenizer the run uses (fitted on the training captions, or the weights')
-      data.json                    the data config the run trains on (written at the first start)
-      checkpoints/<step>/          Orbax: `state` and `meta` (hnclip_jax/checkpoint.py)
-      checkpoints_damaged/         checkpoints found damaged, set aside for inspection
-      metrics.jsonl, tensorboard/  training metrics
-      goodput/<start>-p<i>.json    the wall-time account of process i of the train.py started at <start> (UTC),
-                                   rewritten whole at each record (goodput.py)
-      eval_results.json            the latest eval.py result; eval_history.jsonl: every eval.py result, one a line
-                                   (one per benchmark; an eval job's rows say "job": "watch")
-      eval_table.md, .json         the latest Table 1 (eval.py --benchmarks / --watch)
-      best/                        the best step an eval.py --watch job found, as a converted directory + best.json
-      tensorboard/eval/            an eval.py --watch job's scalars
+"""The on-disk formats of a train.py workdir and of a converted weights directory: their one reader and writer, and
+the one place a path inside a run directory is spelled (`LAYOUT`, `Workdir`; docs/workdir.md is `layout_markdown()`).
 
     CONVERTED/                     python -m hnclip_jax.pretrained.convert, Pretrained.save
       model.json, params/ (Orbax), tokenizer/
@@ -36,12 +22,45 @@ from hnclip_jax.models.clip import normalise_fields
 
 MODEL_JSON = "model.json"
 TOKENIZER = "tokenizer"
-DATA_JSON = "data.json"
-CHECKPOINTS = "checkpoints"
 PARAMS = "params"
-EVAL_RESULTS = "eval_results.json"
-EVAL_HISTORY = "eval_history.jsonl"
-GOODPUT = "goodput"
+
+# Every file and folder of a run directory: (Workdir attribute, path in the workdir, written by, what it holds). Only
+# Workdir joins these names to a workdir; everything else is handed the path (docs/workdir.md is this table).
+LAYOUT = (
+    ("model_json", MODEL_JSON, "train.py", "the resolved architecture (CLIPConfig without the runtime fields)"),
+    ("tokenizer_dir", TOKENIZER + "/", "train.py", "the tokenizer the run uses (fitted on the training captions, "
+     "or the weights')"),
+    ("data_json", "data.json", "train.py", "the data config the run trains on (written at the first start)"),
+    ("checkpoints", "checkpoints/", "train.py", "`<step>/`: Orbax's `state` and `meta` of each kept step "
+     "(checkpoint.py)"),
+    ("checkpoints_frozen", "checkpoints_frozen_params/", "train.py (config.finetune: LoRA, DoRA, frozen towers)",
+     "the parameters that never change, stored once (each step's `state` holds only the trained ones)"),
+    ("checkpoints_damaged", "checkpoints_damaged/", "train.py (a resume)", "`<step>-<time>/`: checkpoints found "
+     "damaged, set aside for inspection"),
+    ("metrics", "metrics.jsonl", "train.py", "one JSON line of training metrics per logged step"),
+    ("tensorboard", "tensorboard/", "train.py", "TensorBoard event files; profiles (config.profile) under "
+     "`plugins/profile/`, process i > 0 in `process_i/`"),
+    ("eval_tensorboard", "tensorboard/eval/", "eval.py --watch", "the eval job's scalars (a run `eval` in "
+     "TensorBoard)"),
+    ("goodput", "goodput/", "train.py", "`<start>-p<i>.json`: the wall-time account of process i of the train.py "
+     "started at `<start>` (UTC), rewritten whole at each record (goodput.py)"),
+    ("caption_index", "batching/caption_index.npy", "train.py (config.data.batching='clustered')", "the caption "
+     "embeddings the clustered batches are drawn from"),
+    ("caption_index_meta", "batching/caption_index.json", "train.py (config.data.batching='clustered')", "its "
+     "size, fingerprint and the weights it was built from"),
+    ("lock", ".lock", "train.py (a local workdir)", "the running train.py's pid: one run per workdir"),
+    ("lease", ".lease", "train.py (a bucket workdir)", "the running train.py's host, pid and last renewal (a "
+     "generation-conditional object): one run per workdir"),
+    ("debug_log", "debug.log", "train.py, eval.py (a local workdir)", "library warnings and tracebacks (on a "
+     "bucket: a temp file on the host, named in each error line)"),
+    ("eval_results", "eval_results.json", "eval.py", "the latest result"),
+    ("eval_history", "eval_history.jsonl", "eval.py", "every result, one a line (one per benchmark; an eval "
+     "job's rows say \"job\": \"watch\")"),
+    ("eval_table", "eval_table.md, eval_table.json", "eval.py --benchmarks / --watch", "the latest Table 1"),
+    ("best", "best/", "eval.py --watch", "the best step the job found, as a converted directory (model.json, "
+     "params/, tokenizer/) + best.json"),
+)
+BEST_JSON = "best.json"  # in best/: which step, by which metric
 
 # Config keys that never change what a run computes or stores: not worth naming when a resume differs.
 BOOKKEEPING = ("total_steps", "log_every", "checkpoint_every", "eval_every", "max_to_keep", "eval_batch_size",
@@ -89,7 +108,7 @@ def is_converted(directory: str) -> bool:
 
 
 def is_workdir(directory: str) -> bool:
-  return paths.isdir(paths.join(directory, CHECKPOINTS))
+  return paths.isdir(Workdir(directory).checkpoints)
 
 
 def check_model_compatible(saved: dict | None, model_cfg: CLIPConfig, where: str) -> None:
@@ -140,17 +159,35 @@ def resolve_path(path: str) -> str:
   return resolved
 
 
+def layout_markdown() -> str:
+  """The run directory's layout as the Markdown table in docs/workdir.md."""
+  rows = ["| path in the workdir | written by | what it holds |", "|---|---|---|"]
+  rows += [f"| `{name}` | {who} | {what} |" for _, name, who, what in LAYOUT]
+  return "\n".join(rows) + "\n"
+
+
 class Workdir:
-  """A train.py workdir (see the module docstring). Reading never creates anything on disk."""
+  """A train.py workdir: every path in it (an attribute per LAYOUT entry), and its readers and writers. Reading
+  never creates anything on disk."""
 
   def __init__(self, path: str):
     self.path = paths.resolve(path, "--workdir")
-    self.checkpoints = paths.join(self.path, CHECKPOINTS)
-    self.model_json = paths.join(self.path, MODEL_JSON)
-    self.data_json = paths.join(self.path, DATA_JSON)
-    self.tokenizer_dir = paths.join(self.path, TOKENIZER)
-    self.eval_results = paths.join(self.path, EVAL_RESULTS)
-    self.eval_history = paths.join(self.path, EVAL_HISTORY)
+    for attr, name, _, _ in LAYOUT:
+      if attr != "eval_table":
+        setattr(self, attr, paths.join(self.path, *name.rstrip("/").split("/")))
+    self.best_json = paths.join(self.best, BEST_JSON)
+
+  def checkpoint(self, step: int) -> str:
+    """Where checkpoint `step` is (or would be) written."""
+    return paths.join(self.checkpoints, str(step))
+
+  def eval_table(self, ext: str) -> str:
+    """The latest Table 1 as `ext` ("md" or "json")."""
+    return paths.join(self.path, f"eval_table.{ext}")
+
+  def profile_dir(self, process: int) -> str:
+    """Where process `process` writes its profiler traces (TensorBoard's profile plugin finds them there)."""
+    return paths.join(self.tensorboard, *([f"process_{process}"] if process else []))
 
   # ---- model and tokenizer ----
   def model(self) -> CLIPConfig | None:
@@ -197,15 +234,16 @@ class Workdir:
       raise FileNotFoundError(f"no checkpoints in {self.checkpoints}; train first with "
                               f"train.py --workdir {self.path}")
     return checkpoint.Checkpointer(self.checkpoints, max_to_keep=max_to_keep, async_save=async_save,
-                                   overlap_steps=overlap_steps, create=not read_only, frozen=frozen)
+                                   overlap_steps=overlap_steps, create=not read_only, frozen=frozen,
+                                   frozen_dir=self.checkpoints_frozen, damaged_dir=self.checkpoints_damaged)
 
   # ---- goodput (goodput.py) ----
   def goodput_record(self, attempt: str) -> str:
-    return paths.join(self.path, GOODPUT, f"{attempt}.json")
+    return paths.join(self.goodput, f"{attempt}.json")
 
   def goodput_records(self) -> list[dict]:
     """Every process start's account in this workdir (goodput.py), unordered; a damaged one left out."""
-    folder = paths.join(self.path, GOODPUT)
+    folder = self.goodput
     if not paths.isdir(folder):
       return []
     out = []

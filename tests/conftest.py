@@ -238,6 +238,16 @@ def check_resume_is_bit_identical(args, workdir, copy_to, last: int, resume_from
   assert all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
 
 
+def assert_in_layout(workdir) -> None:
+  """Every file a run left in local `workdir` lies at a path hnclip_jax.workdir.LAYOUT names (a file, or a folder
+  it lies under): the run directory has one owner."""
+  from hnclip_jax.workdir import LAYOUT
+  names = [n for _, entry, _, _ in LAYOUT for n in entry.split(", ")]
+  files = [os.path.relpath(os.path.join(d, f), workdir) for d, _, fs in os.walk(workdir) for f in fs]
+  stray = [f for f in files if not any(f == n or n.endswith("/") and f.startswith(n) for n in names)]
+  assert files and not stray, f"files in {workdir} that hnclip_jax/workdir.py LAYOUT does not name: {stray}"
+
+
 def listing(root):
   """Every file under `root` (but the lock file and the debug log, which records why a run stopped) with its size:
   'nothing on disk changed' is this staying equal."""

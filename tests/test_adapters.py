@@ -14,7 +14,7 @@ from flax import nnx
 from hnclip_jax import config as config_lib, experiment, optim, sharding, train_step
 from hnclip_jax.models import CLIPConfig, abstract_model, adapters, bind, init_params
 from hnclip_jax.models.clip import DoRALinear, LoRALinear
-from conftest import assert_error_exit, listing, metrics_rows, run_py
+from conftest import assert_error_exit, assert_in_layout, listing, metrics_rows, run_py
 
 CFG = CLIPConfig(embed_dim=16, image_size=16, patch_size=8, vision_width=32, vision_layers=2, vision_heads=2,
                  vision_mlp_dim=48, text_context=8, vocab_size=64, text_width=32, text_layers=2, text_heads=2,
@@ -227,6 +227,7 @@ def test_adapter_workdir_load_merge_export_and_resume(tmp_path, tfds_dir):
   assert saved_paths and all(adapters.is_adapter(p) for p in saved_paths) and "logit_scale" in adapters.flat(saved)
   assert {p for p in adapters.flat(model.params) if adapters.is_adapter(p)} == saved_paths
   assert os.path.isdir(w / "checkpoints_frozen_params")
+  assert_in_layout(w)
   # SIGKILL after step 3, rerun: bit-identical to the uninterrupted run.
   k = tmp_path / "k"
   killed = run_py(["train.py", *base[:3], str(k), base[3], *dora], env_extra={"HNCLIP_FAULT": "kill@3"},

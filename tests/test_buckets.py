@@ -442,7 +442,8 @@ def test_a_holder_whose_lease_was_taken_over_finds_out_instead_of_overwriting_it
   for k, v in gcs.env.items():
     monkeypatch.setenv(k, v)
   from hnclip_jax import preemption
-  lock = preemption.WorkdirLock("gs://bkt/lease-race")
+  from hnclip_jax.workdir import Workdir
+  lock = preemption.WorkdirLock(Workdir("gs://bkt/lease-race"))
   lease = lock._lease
   lease._stop.set()  # its renewal thread stalls: renewals happen only when this test calls them
   lease._thread.join()

@@ -11,7 +11,7 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import assert_error_exit, metrics_rows, run_py
+from conftest import assert_error_exit, assert_in_layout, metrics_rows, run_py
 from hnclip_jax.data import clustering, pipeline
 
 
@@ -115,6 +115,7 @@ def test_train_py_clustered_batches_resume_exactly(tmp_path, tfds_dir):
   assert crowd > spread, line
   meta = json.load(open(tmp_path / "whole" / "batching" / "caption_index.json"))
   assert meta["examples"] == 128 and meta["built_from"].startswith("initial parameters")
+  assert_in_layout(tmp_path / "whole")
   resumed = tmp_path / "resumed"
   killed = run_py([*args, "--workdir", str(resumed)], env_extra={"HNCLIP_FAULT": "kill_after_saves@3"}, check=False)
   assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]

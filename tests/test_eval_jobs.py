@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import CACHE, ROOT, _env, assert_error_exit, run_entry, run_py
+from conftest import CACHE, ROOT, _env, assert_error_exit, assert_in_layout, run_entry, run_py
 from hnclip_jax import config as config_lib
 from hnclip_jax.evaluation import benchmarks as bench_lib
 
@@ -253,6 +253,7 @@ def test_watcher_follows_training_through_kills_deletions_and_restarts(reference
   import jax
   got, want = pretrained.load(work, step="best"), pretrained.load(reference, step=best)
   assert jax.tree.all(jax.tree.map(np.array_equal, got.params, want.params))
+  assert_in_layout(work)
 
 
 def test_watcher_accounts_for_checkpoints_it_never_saw(reference, tfds_dir, tmp_path, capsys):

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, _env, assert_error_exit, listing, metrics_rows, run_py
+from conftest import ROOT, _env, assert_error_exit, assert_in_layout, listing, metrics_rows, run_py
 
 BASE = ["train.py", "--config", "configs/demo.py:test", "--config.total_steps=8", "--config.checkpoint_every=2",
         "--config.log_every=1", "--config.eval_every=100", "--config.max_to_keep=10"]
@@ -100,6 +100,7 @@ def test_damaged_checkpoints_are_skipped(tmp_path, tfds_dir, reference):
   assert f"skipping checkpoint {workdir}/checkpoints/6" in proc.stdout
   assert "(step 4)" in proc.stdout
   assert sorted(os.listdir(workdir / "checkpoints_damaged"))[0].startswith("6-")  # kept aside, not deleted
+  assert_in_layout(workdir)
   assert_identical_to(reference, workdir)
 
 
@@ -188,7 +189,8 @@ def test_failed_save_keeps_earlier_checkpoints(tmp_path, tfds_dir, reference):
 
 def test_second_run_on_same_workdir_is_refused(tmp_path, tfds_dir):
   from hnclip_jax.preemption import WorkdirLock
-  lock = WorkdirLock(str(tmp_path))
+  from hnclip_jax.workdir import Workdir
+  lock = WorkdirLock(Workdir(str(tmp_path)))
   try:
     proc = train(tmp_path, tfds_dir, check=False)
   finally:

@@ -125,7 +125,7 @@ def _cut_positions(path):
 
 
 def test_metrics_resume_survives_a_cut_at_every_byte_of_the_last_line(tmp_path, capsys):
-  w = MetricsWriter(str(tmp_path), enabled=True)
+  w = MetricsWriter(str(tmp_path / "metrics.jsonl"), str(tmp_path / "tensorboard"), enabled=True)
   for step in range(1, 5):
     w.write(step, {"loss": 1.0 / step, "eval/t2i/R@1": 10.0 * step})
   w.close()
@@ -137,7 +137,7 @@ def test_metrics_resume_survives_a_cut_at_every_byte_of_the_last_line(tmp_path, 
       f.write(data[:cut])
     whole = data[start:cut].strip()
     complete = bool(whole) and whole == data[start:].strip()  # only the newline is missing
-    w = MetricsWriter(str(tmp_path), enabled=True)
+    w = MetricsWriter(str(tmp_path / "metrics.jsonl"), str(tmp_path / "tensorboard"), enabled=True)
     w.truncate_after(3)  # the resumed checkpoint's step: the last line is past it anyway
     w.write(4, {"loss": 0.25, "eval/t2i/R@1": 40.0})
     w.close()
@@ -296,7 +296,7 @@ def test_recall_refuses_non_finite_embeddings(case):
 
 def test_os_errors_end_with_one_line_and_the_traceback_in_the_debug_log(tmp_path, capsys):
   from hnclip_jax.cli import clean_errors
-  log = storage.start_debug_log(str(tmp_path))
+  log = storage.start_debug_log(Workdir(str(tmp_path)).debug_log)
   try:
     logging.getLogger("orbax.fake").error("background write failed", exc_info=ValueError("RESOURCE_EXHAUSTED: x"))
     t = threading.Thread(target=lambda: 1 / 0, name="writer")
@@ -376,7 +376,7 @@ def test_check_writable_names_the_directory(tmp_path):
 def test_metrics_writer_failures_name_the_file_and_never_hang(tmp_path, monkeypatch):
   """A full disk under metrics.jsonl, then under the TensorBoard events (whose writer thread used to die silently
   and leave flush() waiting forever): StorageError naming the file and the step, whole lines kept."""
-  w = MetricsWriter(str(tmp_path), enabled=True)
+  w = MetricsWriter(str(tmp_path / "metrics.jsonl"), str(tmp_path / "tensorboard"), enabled=True)
   w.write(1, {"loss": 1.0})
   with file_size_limit(os.path.getsize(tmp_path / "metrics.jsonl") + 20):
     with pytest.raises(storage.StorageError, match=r"appending step 2 to .*metrics.jsonl failed \(File too large"):

@@ -214,3 +214,20 @@ def test_eval_history_keeps_every_result(tmp_path):
   history = wd.eval_records()
   assert [(r["step"], r["dataset"], r["num_pairs"]) for r in history] == [(4, "pairs", 8), (4, "synthetic", 40)]
   assert history[0]["data"] == {"name": "pairs"}
+
+
+def test_the_run_directory_layout_has_one_owner_and_docs_show_it(tmp_path):
+  """workdir.LAYOUT names each entry of a run directory once, Workdir's paths come from it, and docs/workdir.md
+  holds its table as layout_markdown() writes it (the runs' files are checked against it: conftest.assert_in_layout)."""
+  wd = workdir_lib.Workdir(str(tmp_path / "run"))
+  for attr, name, _, _ in workdir_lib.LAYOUT:
+    if attr != "eval_table":
+      assert getattr(wd, attr) == os.path.join(wd.path, *name.rstrip("/").split("/")), attr
+  assert wd.checkpoint(8) == os.path.join(wd.path, "checkpoints", "8")
+  assert wd.profile_dir(0) == wd.tensorboard and wd.profile_dir(2) == os.path.join(wd.tensorboard, "process_2")
+  assert wd.checkpointer().damaged_dir == wd.checkpoints_damaged
+  attrs, names = [a for a, *_ in workdir_lib.LAYOUT], [n for _, n, *_ in workdir_lib.LAYOUT]
+  assert len(set(attrs)) == len(attrs) and len(set(names)) == len(names)  # each entry named once
+  docs = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "workdir.md")).read()
+  assert workdir_lib.layout_markdown() in docs, ("docs/workdir.md's table differs from workdir.LAYOUT: regenerate it "
+                                                 "(the command is at the end of docs/workdir.md)")

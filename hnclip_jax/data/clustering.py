@@ -29,9 +29,6 @@ import numpy as np
 from hnclip_jax import paths
 
 BATCHINGS = ("random", "clustered")
-INDEX_DIR = "batching"
-INDEX_FILE = "caption_index.npy"
-INDEX_META = "caption_index.json"
 
 
 def epoch_plan(index: np.ndarray, batch: int, seed: int, epoch: int) -> np.ndarray:
@@ -103,15 +100,10 @@ def fingerprint(index: np.ndarray) -> str:
   return hashlib.sha256(np.ascontiguousarray(index, np.float32).tobytes()).hexdigest()[:16]
 
 
-def index_paths(workdir: str) -> tuple[str, str]:
-  d = paths.join(workdir, INDEX_DIR)
-  return paths.join(d, INDEX_FILE), paths.join(d, INDEX_META)
-
-
-def read_index(workdir: str, num_examples: int):
-  """The workdir's caption index ([N, E] float32) or None; ValueError when it does not fit the data (another
-  number of examples): the run would read other batches than it started with."""
-  file, meta_file = index_paths(workdir)
+def read_index(file: str, meta_file: str, num_examples: int):
+  """The caption index in `file` ([N, E] float32; a workdir's Workdir.caption_index, its record `meta_file`) or
+  None; ValueError when it does not fit the data (another number of examples): the run would read other batches
+  than it started with."""
   if not paths.exists(file):
     return None
   index = np.load(io.BytesIO(paths.read_bytes(file)))
@@ -124,9 +116,9 @@ def read_index(workdir: str, num_examples: int):
   return index
 
 
-def write_index(workdir: str, index: np.ndarray, built_from: str) -> None:
-  """Stores the index (paths.write_bytes: whole or not at all; process 0 only, by the caller)."""
-  file, meta_file = index_paths(workdir)
+def write_index(file: str, meta_file: str, index: np.ndarray, built_from: str) -> None:
+  """Stores the index in `file` and its record in `meta_file` (paths.write_bytes: whole or not at all; process 0
+  only, by the caller)."""
   paths.makedirs(paths.dirname(file))
   buf = io.BytesIO()
   np.save(buf, np.asarray(index, np.float32))

@@ -15,8 +15,6 @@ evaluated or no new checkpoint came for a while.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 
 import jax
@@ -29,10 +27,6 @@ from hnclip_jax.metrics import MetricsWriter, log
 from hnclip_jax.models import abstract_model
 from hnclip_jax.workdir import Workdir, check_model_compatible, write_model, write_tokenizer
 
-BEST = "best"  # WORKDIR/best: the best evaluated step's parameters (model.json, params/, tokenizer/, best.json)
-BEST_JSON = "best.json"
-EVAL_TABLE = "eval_table"  # WORKDIR/eval_table.md and .json: the latest Table 1
-WATCH_TENSORBOARD = "tensorboard/eval"  # beside training's events: a run "eval" in TensorBoard
 
 
 class Gone(Exception):
@@ -53,6 +47,7 @@ class Evaluator:
     self.scorer = frameworks.score(score, self.model_cfg, run.wd.path)  # None: cosine
     self.score_encoders = None if self.scorer is None else embedding.make_score_embed_fn(
         graphdef, run.mesh, param_sh, self.scorer, run.config)
+    self.wd = run.wd
     self.ckpt = run.wd.checkpointer(read_only=True)
     self._data = {}
 
@@ -73,7 +68,7 @@ class Evaluator:
   def read_racing(self, step: int, settle_s: float = 1.0):
     """read(step) while training may delete the step beside us: Gone when it disappears before or while it is
     read (a deletion in progress leaves a partial directory for a moment: looked at again after settle_s)."""
-    path = paths.join(self.ckpt.directory, str(step))
+    path = self.wd.checkpoint(step)
     if not paths.isdir(path):
       raise Gone(step)
     try:
@@ -121,7 +116,7 @@ def write_table(wd: Workdir, tab: dict) -> str:
   md = bench_lib.markdown(tab)
   if jax.process_index() == 0:
     for ext, text in (("md", md), ("json", json.dumps(tab, indent=2))):
-      path = paths.join(wd.path, f"{EVAL_TABLE}.{ext}")
+      path = wd.eval_table(ext)
       try:
         storage.write_text_atomic(path, text)
       except OSError as e:
@@ -130,52 +125,31 @@ def write_table(wd: Workdir, tab: dict) -> str:
   return md
 
 
-def best_dir(workdir: str) -> str:
-  return paths.join(workdir, BEST)
-
-
-def read_best(workdir: str) -> dict | None:
-  path = paths.join(best_dir(workdir), BEST_JSON)
-  if not paths.exists(path):
+def read_best(wd: Workdir) -> dict | None:
+  if not paths.exists(wd.best_json):
     return None
-  return json.loads(paths.read_text(path))
+  return json.loads(paths.read_text(wd.best_json))
 
 
 def export_best(wd: Workdir, params, model_cfg, tokenizer, info: dict) -> None:
   """Writes the parameters to WORKDIR/best (a converted directory + best.json), replacing the previous best only
-  once the new one is complete: a reader sees the old best or the new one. A bucket cannot rename: there the old
-  best is removed and the new one written in place, best.json last (a best/ without best.json is incomplete)."""
+  once the new one is complete (storage.replace_dir: a reader sees the old best or the new one; on a bucket a
+  best/ without best.json is incomplete)."""
   import orbax.checkpoint as ocp
-  final = best_dir(wd.path)
-  if paths.is_url(final):
-    try:
-      paths.rmtree(final)
-      with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(paths.join(final, "params"), params, force=True)
-      write_model(final, model_cfg)
-      write_tokenizer(final, tokenizer)
-      storage.write_text_atomic(paths.join(final, BEST_JSON), json.dumps(info, indent=2))
-    except OSError as e:
-      raise storage.StorageError(f"writing the best checkpoint (step {info['step']}) to {final} failed "
-                                 f"({storage.describe(e)}); restart the eval job (it resumes where it stopped)") from e
-    return
-  tmp, old = final + ".tmp", final + ".old"
-  shutil.rmtree(tmp, ignore_errors=True)
-  try:
+
+  def write(directory: str) -> None:
     with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(os.path.join(tmp, "params"), params, force=True)
-    write_model(tmp, model_cfg)
-    write_tokenizer(tmp, tokenizer)
-    storage.write_text_atomic(os.path.join(tmp, BEST_JSON), json.dumps(info, indent=2))
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(final):
-      os.replace(final, old)
-    os.replace(tmp, final)
+      ckptr.save(paths.join(directory, "params"), params, force=True)
+    write_model(directory, model_cfg)
+    write_tokenizer(directory, tokenizer)
+    storage.write_text_atomic(paths.join(directory, paths.basename(wd.best_json)), json.dumps(info, indent=2))
+
+  try:
+    storage.replace_dir(wd.best, write)
   except OSError as e:
-    raise storage.StorageError(f"writing the best checkpoint (step {info['step']}) to {final} failed "
+    raise storage.StorageError(f"writing the best checkpoint (step {info['step']}) to {wd.best} failed "
                                f"({storage.describe(e)}); free space or fix the workdir and restart the eval job "
                                "(it resumes where it stopped)") from e
-  shutil.rmtree(old, ignore_errors=True)
 
 
 def finished_steps(wd: Workdir) -> list[int]:
@@ -184,7 +158,7 @@ def finished_steps(wd: Workdir) -> list[int]:
   out = []
   for s in wd.checkpoint_steps():
     try:
-      if ocp_step.is_checkpoint_finalized(paths.join(wd.checkpoints, str(s))):
+      if ocp_step.is_checkpoint_finalized(wd.checkpoint(s)):
         out.append(s)
     except Exception:  # noqa: BLE001 — deleted while we looked
       pass
@@ -233,9 +207,9 @@ def watch(ev: Evaluator, *, poll_s: float, timeout_s: float, newest_only: bool, 
   rows = wd.eval_records()
   done = watched_steps(rows, ev.benchmarks, ev.score)
   names = [b.name for b in ev.benchmarks]
-  best = read_best(wd.path)
+  best = read_best(wd)
   if best is not None and (best.get("metric"), best.get("benchmarks"), best.get("score")) != (metric, names, ev.score):
-    log(f"{best_dir(wd.path)} holds the best by {best.get('metric')} on {best.get('benchmarks')} ({best.get('score')} "
+    log(f"{wd.best} holds the best by {best.get('metric')} on {best.get('benchmarks')} ({best.get('score')} "
         f"score); this job keeps it by {metric} on {names} ({ev.score}): replaced at the first step evaluated")
     best = None
   elif best is None and done:
@@ -245,11 +219,11 @@ def watch(ev: Evaluator, *, poll_s: float, timeout_s: float, newest_only: bool, 
       top = max(prior, key=lambda r: (r["metric_value"], -r["step"]))
       best = {"step": top["step"], "metric": metric, "value": top["metric_value"], "benchmarks": names,
               "score": ev.score, "exported": False}
-      log(f"{best_dir(wd.path)} is missing; by the history the best so far is step {best['step']} ({metric} "
+      log(f"{wd.best} is missing; by the history the best so far is step {best['step']} ({metric} "
           f"{best['value']:.2f}), which is not exported again: the next better step will be")
   if done:
     log(f"already evaluated by an earlier watcher (eval_history.jsonl): steps {sorted(done)}")
-  writer = MetricsWriter(wd.path, jsonl=None, tb_dir=paths.join(wd.path, WATCH_TENSORBOARD))
+  writer = MetricsWriter(None, wd.eval_tensorboard)
   evaluated, skipped, missed = [], [], []
   last_new = clock()
   seen = set(done)
@@ -304,7 +278,7 @@ def watch(ev: Evaluator, *, poll_s: float, timeout_s: float, newest_only: bool, 
       is_best = best is None or value > best["value"]
       if is_best:
         best = {"step": step, "metric": metric, "value": value, "benchmarks": names, "score": ev.score,
-                "exported": True, "source": f"{wd.checkpoints}/{step}", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                "exported": True, "source": wd.checkpoint(step), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         export_best(wd, params, ev.model_cfg, ev.tokenizer, best)
       for r in rows:
         wd.record_eval(r, {"data": dict(next(b.data for b in ev.benchmarks if b.name == r["benchmark"])),
@@ -312,7 +286,7 @@ def watch(ev: Evaluator, *, poll_s: float, timeout_s: float, newest_only: bool, 
                        latest=False)
       write_table(wd, tab)
       log_rows(rows)
-      log(f"step {step}: {metric} = {value:.2f}" + (" (best so far: exported to " + best_dir(wd.path) + ")"
+      log(f"step {step}: {metric} = {value:.2f}" + (" (best so far: exported to " + wd.best + ")"
                                                      if is_best else f" (best: step {best['step']}, {best['value']:.2f})"))
       done.add(step)
       evaluated.append(step)

@@ -200,7 +200,7 @@ def load(path: str, step: int | str | None = None) -> Pretrained:
   job kept in WORKDIR/best); only for workdirs."""
   path = paths.resolve(path, "path")
   if step == "best":
-    best = paths.join(path, "best")
+    best = workdir_format.Workdir(path).best
     if not workdir_format.is_converted(best):
       raise FileNotFoundError(f"{path} has no best checkpoint ({best} is missing): `eval.py --watch` keeps the best "
                               "evaluated step there; pass a step number instead, or run it")

@@ -22,12 +22,13 @@ FLAGS = flags.FLAGS
 @clean_errors
 def main(argv):
   del argv
+  from hnclip_jax import goodput
   from hnclip_jax.workdir import Workdir
   wd = Workdir(FLAGS.workdir)
   rows = wd.goodput_records()
   summary = goodput.summarize(rows, FLAGS.process)
   if not summary["attempts"]:
-    raise FileNotFoundError(f"no goodput records of process {FLAGS.process} in {wd.path}/goodput; it is written by "
+    raise FileNotFoundError(f"no goodput records of process {FLAGS.process} in {wd.goodput}; it is written by "
                             "train.py (from this version on) at every log step")
   print(goodput.to_json(summary) if FLAGS.json else goodput.report(summary))
 
