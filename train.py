@@ -243,8 +243,7 @@ def train(account):
     except storage.StorageError as e:  # a log or event file: say what survived and what to do
       if isinstance(e, checkpoint.CheckpointError):
         raise
-      fix = ("Once the bucket answers again (docs/buckets.md)," if paths.is_url(wd.path) else
-             "Free space or fix the directory, then")
+      fix = paths.recovery(wd.path)
       raise storage.StorageError(f"{e}; {ckpt.intact_note()}. {fix} rerun the same command to resume") from e
   except BaseException as e:
     profiler.stop()  # a run that fails inside the traced steps still leaves its trace

@@ -151,12 +151,10 @@ def enable_compilation_cache(cache_dir: str) -> None:
   every host of a pod and every replacement VM reads the programs the first one compiled (docs/buckets.md)."""
   from_env = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
   if cache_dir and not from_env:
-    if paths.is_url(cache_dir):
-      cache_dir = paths.resolve(cache_dir, "config.compilation_cache_dir")
-    jax.config.update("jax_compilation_cache_dir", cache_dir if paths.is_url(cache_dir)
-                      else os.path.expanduser(cache_dir))
-  if paths.is_url(from_env or cache_dir or ""):
-    paths.configure_clients()  # before JAX's cache first opens the directory
+    cache_dir = paths.resolve(cache_dir, "config.compilation_cache_dir")
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+  if from_env or cache_dir:
+    paths.prepare(from_env or cache_dir)  # before JAX's cache first opens the directory
   if (cache_dir or from_env) and "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 

@@ -205,8 +205,7 @@ class Recorder:
   def write(self, step: int, ended: str | None = None) -> None:
     from hnclip_jax import paths, storage
     try:
-      if not paths.is_url(self.path):
-        paths.makedirs(paths.dirname(self.path))
+      paths.makedirs(paths.dirname(self.path))
       storage.write_text_atomic(self.path, json.dumps(self.row(step, ended)))
     except OSError as e:
       raise storage.StorageError(f"writing the goodput record of step {step} to {self.path} failed "

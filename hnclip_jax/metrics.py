@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -19,21 +18,22 @@ from hnclip_jax import paths, storage
 TIMING_PREFIXES = ("perf/", "goodput/")
 
 
-def _tail_cut(path: str, keep) -> int | None:
-  """The byte offset after the last kept line when every later line is dropped (a tail to cut), else None."""
+def _tail_cut(data: bytes, keep) -> int | None:
+  """The byte offset after the last kept line of `data` when every later line is dropped (a tail to cut), else
+  None."""
   offset, cut = 0, None
-  with open(path, "rb") as f:
-    for raw in f:
-      try:
-        row = json.loads(raw)
-      except ValueError:
-        row = None
-      if isinstance(row, dict) and keep(row):
-        if cut is not None:
-          return None  # a kept line after a dropped one: the file must be rewritten
-      elif cut is None:
-        cut = offset
-      offset += len(raw)
+  parts = data.split(b"\n")  # the lines as a file reads them: "\n" ends a line, nothing else does
+  for raw in [p + b"\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else []):
+    try:
+      row = json.loads(raw)
+    except ValueError:
+      row = None
+    if isinstance(row, dict) and keep(row):
+      if cut is not None:
+        return None  # a kept line after a dropped one: the file must be rewritten
+    elif cut is None:
+      cut = offset
+    offset += len(raw)
   return offset if cut is None else cut
 
 
@@ -49,10 +49,11 @@ class MetricsWriter:
     self.path = jsonl
     self.tb_dir = tb_dir
     self._tb = None
-    # A bucket has no append: the events are written to a local file and that file is uploaded whole, as one object,
-    # after every flush (what TensorFlow's gfile does on GCS), so TensorBoard never reads a half-written file.
+    # TensorBoard's writer opens local files only. Elsewhere (a bucket, which has no append either) the events go to a
+    # local file that is uploaded whole, as one object, after every flush (what TensorFlow's gfile does on GCS), so
+    # TensorBoard never reads a half-written file.
     self._staging = (tempfile.TemporaryDirectory(prefix="hnclip_jax-tb-")
-                     if self.enabled and paths.is_url(self.tb_dir) else None)
+                     if self.enabled and not paths.opens_natively(self.tb_dir) else None)
     if self.enabled:
       # TensorBoard's own event writer (no TensorFlow needed): unlike tensorboardX's, its writer thread hands a
       # failed write back to the caller, so a full disk cannot leave flush() waiting forever.
@@ -75,11 +76,11 @@ class MetricsWriter:
     keep = lambda r: isinstance(r.get("step"), (int, float)) and r["step"] <= step  # noqa: E731
     if not torn and all(keep(r) for r in rows):
       return
-    cut = None if paths.is_url(self.path) else _tail_cut(self.path, keep)  # a bucket has no in-place cut
+    cut = _tail_cut(paths.read_bytes(self.path), keep)
     if cut is not None:
       try:
-        os.truncate(self.path, cut)
-        return
+        if paths.truncate(self.path, cut):  # in place where the store can (a bucket cannot: rewritten below)
+          return
       except OSError as e:
         raise storage.StorageError(f"cutting {self.path} back to step {step} failed ({storage.describe(e)}); fix "
                                    "the directory and rerun the same command") from e
@@ -221,7 +222,7 @@ class StepProfiler:
     if not self.active or not self.first <= step <= self.last:
       return contextlib.nullcontext()
     if not self.tracing:
-      if paths.is_url(self.dir):
+      if not paths.opens_natively(self.dir):  # the profiler writes local files (its own GCS client knows no emulator)
         self._staging = tempfile.mkdtemp(prefix="hnclip_jax-profile-")
       self._call(jax.profiler.start_trace, self._staging or self.dir)
       self.tracing, self._from = True, step

@@ -10,17 +10,15 @@ cut-off write cannot break, write checks that fail fast with one line, and libra
 """
 from __future__ import annotations
 
-import errno
 import json
 import logging as std_logging
 import os
-import shutil
 import sys
 import tempfile
 import threading
 import traceback
 
-from hnclip_jax import paths
+from hnclip_jax import paths, stores
 
 
 
@@ -30,63 +28,17 @@ class StorageError(RuntimeError):
 
 def describe(err: BaseException) -> str:
   """One line for an OSError (its errno name, message and file) or any other exception (its first line)."""
-  if isinstance(err, OSError) and err.errno is not None:
-    name = errno.errorcode.get(err.errno, str(err.errno))
-    where = f": {err.filename}" if err.filename else ""
-    return f"{err.strerror or os.strerror(err.errno)} ({name}){where}"
-  first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-  return f"{type(err).__name__}: {first[:400]}"
+  return stores.describe_os_error(err)
 
 
 def append_jsonl(path: str, row: dict) -> None:
-  """Appends `row` as one JSON line. If the write fails part-way (a full disk), the partial line is cut off
-  again before the OSError propagates, so the file stays a list of whole lines."""
-  data = (json.dumps(row) + "\n").encode()
-  if paths.is_url(path):  # an object store has no append: the object is rewritten whole (GCS shows it whole or not)
-    old = paths.read_bytes(path) if paths.exists(path) else b""
-    paths.write_bytes(path, old + (b"\n" if old and not old.endswith(b"\n") else b"") + data)
-    return
-  fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-  try:
-    size = os.fstat(fd).st_size
-    if size and os.pread(fd, 1, size - 1) != b"\n":  # an earlier torn line: keep it on a line of its own
-      data = b"\n" + data
-    try:
-      view = memoryview(data)
-      while view:
-        view = view[os.write(fd, view):]
-    except OSError:
-      try:
-        os.ftruncate(fd, size)  # shrinking needs no space
-      except OSError:
-        pass
-      raise
-  finally:
-    os.close(fd)
+  """Appends `row` as one JSON line (paths.append_line: a failed write leaves the file a list of whole lines)."""
+  paths.append_line(path, (json.dumps(row) + "\n").encode())
 
 
 def write_text_atomic(path: str, text: str) -> None:
   """A reader sees the old file or the new one, never half of one (a failed write leaves no temp file)."""
   paths.write_text(path, text)
-
-
-def replace_dir(final: str, write) -> None:
-  """`final` replaced by the directory `write(path)` fills, only once it is complete: a reader sees the old one or
-  the new one. Local: filled beside it (`final`.tmp) and renamed over it (the old one kept as `final`.old until
-  then). A bucket cannot rename: the old objects are removed and the new ones written in place, so `write` must
-  write the file that marks the directory complete last."""
-  if paths.is_url(final):
-    paths.rmtree(final)
-    write(final)
-    return
-  tmp, old = final + ".tmp", final + ".old"
-  shutil.rmtree(tmp, ignore_errors=True)
-  write(tmp)
-  shutil.rmtree(old, ignore_errors=True)
-  if os.path.exists(final):
-    os.replace(final, old)
-  os.replace(tmp, final)
-  shutil.rmtree(old, ignore_errors=True)
 
 
 def read_jsonl(path: str) -> tuple[list[dict], list[tuple[int, str]]]:
@@ -119,36 +71,16 @@ def torn_warning(path: str, torn: list[tuple[int, str]]) -> str:
 def check_writable(directory: str, what: str) -> None:
   """Creates `directory` if needed and a probe file in it; StorageError naming `what` if either fails."""
   try:
-    if paths.is_url(directory):  # a bucket: write and remove one probe object under the prefix
-      probe = paths.join(directory, f".write-probe-{os.getpid()}")
-      paths.write_bytes(probe, b"x")
-      paths.remove(probe)
-      return
-    os.makedirs(directory, exist_ok=True)
-    fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
-    try:
-      os.write(fd, b"x")
-    finally:
-      os.close(fd)
-      os.remove(probe)
+    paths.check_writable(directory)
   except Exception as e:  # noqa: BLE001 (a bucket's client raises its own errors)
-    if not isinstance(e, OSError) and not paths.is_url(directory):
+    if not isinstance(e, OSError) and paths.opens_natively(directory):
       raise
-    if paths.is_url(directory):
-      raise StorageError(f"{what} {directory} cannot be written: {paths.describe_error(directory, e)}. Nothing was "
-                         "changed") from e
-    raise StorageError(f"{what} {directory} cannot be written ({describe(e)}); make it writable (or free space) or "
-                       "choose another directory. Nothing was changed") from e
+    raise StorageError(f"{what} {directory} cannot be written ({paths.describe_error(directory, e)}); make it "
+                       "writable (or free space) or choose another directory. Nothing was changed") from e
 
 
 def free_bytes(directory: str) -> int | None:
-  if paths.is_url(directory):
-    return None  # a bucket has no free space to run out of
-  try:
-    st = os.statvfs(directory)
-  except OSError:
-    return None
-  return st.f_bavail * st.f_frsize
+  return paths.free_bytes(directory)
 
 
 class _ConsoleFilter(std_logging.Filter):
@@ -194,8 +126,8 @@ class _LazyFile:
   def write(self, text: str) -> None:
     if self._f is None:
       try:
-        if paths.is_url(self.path):  # no appends on a bucket: the debug log stays on this host
-          raise OSError("a bucket")
+        if not paths.opens_natively(self.path):  # a bucket has no appends: the debug log stays on this host
+          raise OSError("not a local file")
         self._f = open(self.path, "a")
       except OSError:
         fd, self.path = tempfile.mkstemp(prefix="hnclip_jax-debug-", suffix=".log")

@@ -48,9 +48,9 @@ LAYOUT = (
      "embeddings the clustered batches are drawn from"),
     ("caption_index_meta", "batching/caption_index.json", "train.py (config.data.batching='clustered')", "its "
      "size, fingerprint and the weights it was built from"),
-    ("lock", ".lock", "train.py (a local workdir)", "the running train.py's pid: one run per workdir"),
-    ("lease", ".lease", "train.py (a bucket workdir)", "the running train.py's host, pid and last renewal (a "
-     "generation-conditional object): one run per workdir"),
+    ("lock", ".lock", "train.py", "one run per workdir (paths.lease): local, the running train.py's pid under an "
+     "flock; on a bucket a lease object (host, pid, last renewal) created and renewed under generation "
+     "preconditions"),
     ("debug_log", "debug.log", "train.py, eval.py (a local workdir)", "library warnings and tracebacks (on a "
      "bucket: a temp file on the host, named in each error line)"),
     ("eval_results", "eval_results.json", "eval.py", "the latest result"),

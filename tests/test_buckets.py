@@ -58,7 +58,7 @@ def test_train_resume_and_eval_on_a_bucket_match_a_local_disk(gcs, tfds_dir, tmp
   for want in ("run/model.json", "run/data.json", "run/metrics.jsonl", "run/tokenizer/tokenizer_meta.json",
                *(f"run/checkpoints/{s}/commit_success.txt" for s in (2, 4, 6))):
     assert want in names, (want, names)
-  assert "run/.lease" not in names  # released at the end of the run
+  assert "run/.lock" not in names  # released at the end of the run
   assert no_perf(bucket_rows(gcs, "run/metrics.jsonl")) == metrics_rows(local)  # bit for bit
 
   # TensorBoard reads the event file the run uploaded: every logged loss, in order.
@@ -133,7 +133,7 @@ def test_what_a_bucket_cannot_do_is_refused_in_one_line(gcs, tfds_dir):
   for root in ("gs://bkt", "gs://bkt/"):  # a bucket's root is no run directory: refused before anything is written
     proc = train(gcs, root, tfds_dir, check=False)
     assert_error_exit(proc, f"--workdir={root} is the root of its store", "--workdir=gs://bkt/RUN_NAME")
-  assert not [n for n in gcs.objects("bkt") if n.startswith(("checkpoints/", "metrics.jsonl", ".lease", "model"))]
+  assert not [n for n in gcs.objects("bkt") if n.startswith(("checkpoints/", "metrics.jsonl", ".lock", "model"))]
   proc = train(gcs, "gs://bkt/data-run", tfds_dir, "--config.data.manual_dir=gs://bkt/raw", check=False)
   line = assert_error_exit(proc, "config.data.manual_dir=gs://bkt/raw", "gcloud storage cp -r gs://bkt/raw")
   doc, section = re.search(r'\((docs/\w+\.md) "([^"]+)"\)', line).groups()  # the pointer names a real section
@@ -171,21 +171,21 @@ def test_a_watcher_started_before_training_on_a_bucket_evaluates_every_checkpoin
 
 def test_the_bucket_lease_refuses_a_second_run_and_frees_a_dead_ones(gcs, tfds_dir):
   held = {"host": "another-host", "pid": 1, "renewed": time.time()}
-  gcs.write("bkt", "leased/.lease", json.dumps(held).encode())
+  gcs.write("bkt", "leased/.lock", json.dumps(held).encode())
   proc = train(gcs, "gs://bkt/leased", tfds_dir, "--config.total_steps=2", check=False)
-  assert_error_exit(proc, "another train.py (host another-host, pid 1) holds gs://bkt/leased/.lease")
-  assert json.loads(gcs.read("bkt", "leased/.lease")) == held  # left as it was
+  assert_error_exit(proc, "another train.py (host another-host, pid 1) holds gs://bkt/leased/.lock")
+  assert json.loads(gcs.read("bkt", "leased/.lock")) == held  # left as it was
   # A lease whose process on this host is gone (a SIGKILLed run) is taken over at once.
   import socket
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
-  gcs.write("bkt", "leased/.lease",
+  gcs.write("bkt", "leased/.lock",
             json.dumps({"host": socket.gethostname(), "pid": dead.pid, "renewed": time.time()}).encode())
   out = train(gcs, "gs://bkt/leased", tfds_dir, "--config.total_steps=2")
   assert "done: 2 steps" in out.stdout
-  assert f"taking over gs://bkt/leased/.lease: its holder (host {socket.gethostname()}, pid {dead.pid}) is gone" \
+  assert f"taking over gs://bkt/leased/.lock: its holder (host {socket.gethostname()}, pid {dead.pid}) is gone" \
       in out.stdout
-  assert "leased/.lease" not in gcs.objects("bkt", "leased/")
+  assert "leased/.lock" not in gcs.objects("bkt", "leased/")
   losses = [r["loss"] for r in bucket_rows(gcs, "leased/metrics.jsonl") if "loss" in r]
   assert len(losses) == 2 and np.isfinite(losses).all()
 
@@ -267,7 +267,7 @@ def test_two_processes_train_into_the_bucket_are_killed_and_resume_bit_identical
             print(f"---- process {i} (exit {procs[i].returncode}) stdout:\n{out[-3000:]}\n---- stderr:\n{err[-8000:]}")
         assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
         names = gcs.objects("bkt", "two/")
-        assert "two/checkpoints/2/commit_success.txt" in names and "two/.lease" in names  # left by the killed run
+        assert "two/checkpoints/2/commit_success.txt" in names and "two/.lock" in names  # left by the killed run
     assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
     assert "resumed from gs://bkt/two/checkpoints/2 (step 2)" in outs[0][0], outs[0][0][-2000:]
     watched, err = watcher.communicate(timeout=300)
@@ -450,16 +450,16 @@ def test_a_holder_whose_lease_was_taken_over_finds_out_instead_of_overwriting_it
   assert lease.renew() and lease.renew()  # its own lease: renewed
   lock.check()
   # the other run, after the TTL: removes the stale lease and creates its own (another client: the JSON API)
-  gcs.delete("bkt", "lease-race/.lease")
-  gcs.write("bkt", "lease-race/.lease", json.dumps({"host": "other-host", "pid": 4242,
+  gcs.delete("bkt", "lease-race/.lock")
+  gcs.write("bkt", "lease-race/.lock", json.dumps({"host": "other-host", "pid": 4242,
                                                     "renewed": time.time()}).encode())
   assert not lease.renew()
-  assert json.loads(gcs.read("bkt", "lease-race/.lease"))["host"] == "other-host"  # not overwritten
-  with pytest.raises(ValueError, match=r"lost gs://bkt/lease-race/\.lease to another run \(host other-host, "
+  assert json.loads(gcs.read("bkt", "lease-race/.lock"))["host"] == "other-host"  # not overwritten
+  with pytest.raises(ValueError, match=r"lost gs://bkt/lease-race/\.lock to another run \(host other-host, "
                                        r"pid 4242\).*Stopped without writing anything more"):
     lock.check()
   lock.release()
-  assert json.loads(gcs.read("bkt", "lease-race/.lease"))["host"] == "other-host"  # not removed either
+  assert json.loads(gcs.read("bkt", "lease-race/.lock"))["host"] == "other-host"  # not removed either
 
 
 def test_an_unreachable_bucket_is_never_read_as_empty(tmp_path, monkeypatch):

@@ -97,9 +97,9 @@ def check_data_config(data_config) -> None:
   """Raises naming the config key when the dataset is unknown or its manual folder is not set or missing."""
   if data_config.name not in DATASETS:
     raise ValueError(f"config.data.name={data_config.name!r} is not a known dataset; known: {sorted(DATASETS)}")
-  if paths.is_url(data_config.get("data_dir") or ""):
-    paths.resolve(data_config.data_dir, "config.data.data_dir")  # a known scheme, a bucket, credentials
-  if paths.is_url(data_config.get("manual_dir") or ""):
+  if data_config.get("data_dir"):
+    paths.resolve(data_config.data_dir, "config.data.data_dir")  # a store that opens it (a bucket: credentials)
+  if data_config.get("manual_dir") and not paths.opens_natively(data_config.manual_dir):
     raise ValueError(f"config.data.manual_dir={data_config.manual_dir}: a builder reads the files you downloaded "
                      "from a local directory. Copy them to a local disk (gcloud storage cp -r "
                      f"{data_config.manual_dir} /data/raw) and pass that; the build itself may go to a bucket, "
@@ -160,8 +160,8 @@ def num_examples(data_config, split: str) -> int | None:
   except (ValueError, FileNotFoundError):
     return None
   tfds_name, kwargs, _ = DATASETS[data_config.name]
-  if paths.is_url(data_config.data_dir or ""):
-    paths.configure_clients()  # TFDS opens the bucket through gcsfs: with this package's retry rules
+  if data_config.data_dir:
+    paths.prepare(data_config.data_dir)  # TFDS opens a bucket through gcsfs: with this package's retry rules
   builder = tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **kwargs(data_config),
                          file_format="array_record")
   if not builder.is_prepared() or split not in builder.info.splits:
@@ -189,10 +189,12 @@ def data_source(data_config, split: str, decode_images: bool = True):
   prepare = {}
   if manual_needed:
     prepare = {"download_config": tfds.download.DownloadConfig(manual_dir=os.path.expanduser(data_config.manual_dir))}
-  in_bucket = paths.is_url(data_config.data_dir or "")
+  # A store TFDS's array_record files cannot be written or read in place (a bucket): the build is made locally and
+  # uploaded, and each process reads a staged copy.
+  in_bucket = bool(data_config.data_dir) and not paths.opens_natively(data_config.data_dir)
   if in_bucket:
-    paths.configure_clients()  # before TFDS opens the bucket (gcsfs) and array_record's reader does (its own client)
-    root = "gs://" + paths.bucket(data_config.data_dir)
+    paths.prepare(data_config.data_dir)  # before TFDS opens the bucket (gcsfs) and array_record's reader does
+    root = paths.root(data_config.data_dir)
     if not paths.exists(root):  # refused here, before anything is built or compiled
       raise FileNotFoundError(f"config.data.data_dir={data_config.data_dir}: "
                               f"{paths.describe_error(root, FileNotFoundError(root))}")

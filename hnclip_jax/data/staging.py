@@ -29,7 +29,8 @@ def cache_root() -> str:
 
 def local_data_dir(data_dir: str) -> str:
   """Where the build of bucket `data_dir` is staged on this host (its TFDS data_dir)."""
-  return os.path.join(cache_root(), *data_dir.split("://", 1)[1].strip("/").split("/"))
+  root = paths.root(data_dir)  # gs://BUCKET: staged under <cache>/BUCKET/<the path in it>
+  return os.path.join(cache_root(), paths.basename(root), *data_dir[len(root):].strip("/").split("/"))
 
 
 def _manifest(path: str) -> dict | None:
@@ -47,7 +48,7 @@ def stage(data_dir: str, build_path: str) -> tuple[str, int, int]:
   local_root = local_data_dir(data_dir)
   rel = build_path[len(data_dir.rstrip("/")):].strip("/")
   local_build = os.path.join(local_root, *rel.split("/"))
-  objects = sorted(paths.bucket_files(build_path), key=lambda o: (o["rel"].endswith("dataset_info.json"), o["rel"]))
+  objects = sorted(paths.files(build_path), key=lambda o: (o["rel"].endswith("dataset_info.json"), o["rel"]))
   fetched = reused = 0
   for obj in objects:
     target = os.path.join(local_build, *obj["rel"].split("/"))

@@ -133,7 +133,7 @@ def read_best(wd: Workdir) -> dict | None:
 
 def export_best(wd: Workdir, params, model_cfg, tokenizer, info: dict) -> None:
   """Writes the parameters to WORKDIR/best (a converted directory + best.json), replacing the previous best only
-  once the new one is complete (storage.replace_dir: a reader sees the old best or the new one; on a bucket a
+  once the new one is complete (paths.replace_dir: a reader sees the old best or the new one; on a bucket a
   best/ without best.json is incomplete)."""
   import orbax.checkpoint as ocp
 
@@ -145,7 +145,7 @@ def export_best(wd: Workdir, params, model_cfg, tokenizer, info: dict) -> None:
     storage.write_text_atomic(paths.join(directory, paths.basename(wd.best_json)), json.dumps(info, indent=2))
 
   try:
-    storage.replace_dir(wd.best, write)
+    paths.replace_dir(wd.best, write)
   except OSError as e:
     raise storage.StorageError(f"writing the best checkpoint (step {info['step']}) to {wd.best} failed "
                                f"({storage.describe(e)}); free space or fix the workdir and restart the eval job "

@@ -213,13 +213,13 @@ def load(path: str, step: int | str | None = None) -> Pretrained:
       return _load_converted(path)
     if workdir_format.is_workdir(path):
       return _load_workdir(path, step)
-    if paths.is_url(path):  # PyTorch / safetensors files and tokenizers are read from a local copy
+    if not paths.opens_natively(path):  # PyTorch / safetensors files and tokenizers: read from a local copy
       with paths.local_copy(path) as local:
         got = load(local)
       return Pretrained(got.config, got.params, got.tokenizer, path)
     cfg, params = weights.read_hf_directory(path)
     return Pretrained(cfg, params, HF_TOKENIZERS[cfg.family](path, cfg.text_context), path)
-  if paths.is_url(path):  # an OpenAI .pt file (and a tokenizer beside it) from a local copy of its directory
+  if not paths.opens_natively(path):  # an OpenAI .pt file (and a tokenizer beside it): from a local copy
     with paths.local_copy(paths.dirname(path)) as local:
       got = load(os.path.join(local, paths.basename(path)))
     return Pretrained(got.config, got.params, got.tokenizer, path)

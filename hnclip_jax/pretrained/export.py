@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 
 import numpy as np
 from absl import app, flags
@@ -364,13 +363,9 @@ def main(argv):
   if fmt == "hf":
     with paths.staged_dir(out) as local:  # a bucket: written locally, uploaded when complete
       warnings = export_hf(model, local)
-  elif paths.is_url(out):
-    with tempfile.TemporaryDirectory(prefix="hnclip_jax-") as tmp:
-      warnings = export_openai(model, os.path.join(tmp, paths.basename(out)))
-      with open(os.path.join(tmp, paths.basename(out)), "rb") as f:
-        paths.write_bytes(out, f.read())
   else:
-    warnings = export_openai(model, out)
+    with paths.staged_dir(paths.dirname(out)) as local:  # a bucket: written locally, uploaded when complete
+      warnings = export_openai(model, os.path.join(local, paths.basename(out)))
   for w in warnings:
     print(f"warning: {w}")
   what = f"Hugging Face {HF_CLASSES[model.config.family]}" if fmt == "hf" else ("Long-CLIP state dict" if model.config.text_context ==
