@@ -15,8 +15,6 @@ import socket
 import threading
 import time
 
-from etils import epath
-
 from hnclip_jax.stores import Held, Lease, Store, Unreachable
 
 # A bucket path fails in seconds, not minutes, when nothing answers: gcsfs retries every connection error six times
@@ -204,14 +202,13 @@ class GCSStore(Store):
       _done.append(True)
 
   def filesystem(self):
-    """The gcsfs filesystem every bucket call goes through (configure's bounded retries)."""
+    """The gcsfs filesystem every bucket call of this layer goes through (configure's bounded retries). fsspec
+    keeps one per set of arguments: the endpoint is one of them, so a process whose STORAGE_EMULATOR_HOST changes
+    (tests that start emulators of their own) never talks to an emulator that is gone."""
     import fsspec
     self.configure()
-    return fsspec.filesystem("gcs", finalize_on_close=True)
-
-  def _p(self, path) -> epath.Path:
-    self.configure()
-    return epath.Path(str(path))
+    return fsspec.filesystem("gcs", finalize_on_close=True,
+                             endpoint_url=os.environ.get("STORAGE_EMULATOR_HOST") or None)
 
   def _info(self, path) -> dict | None:
     """A path's metadata (gcsfs `info`: an object, or a prefix with objects under it as a "directory"), or None when
@@ -256,12 +253,12 @@ class GCSStore(Store):
     if not self.isdir(path):
       return []
     try:
-      return sorted(c.name for c in self._p(path).iterdir())
+      return sorted({n.rstrip("/").rsplit("/", 1)[-1] for n in self.filesystem().ls(str(path), detail=False)})
     except FileNotFoundError:
       return []
 
   def read_bytes(self, path) -> bytes:
-    return self._p(path).read_bytes()
+    return self.filesystem().cat_file(str(path))
 
   def open_read(self, path, block_size: int):
     return self.filesystem().open(str(path), "rb", block_size=block_size)
@@ -282,7 +279,7 @@ class GCSStore(Store):
 
   def write_bytes(self, path, data: bytes) -> None:
     """One object upload, which GCS makes visible whole or not at all."""
-    self._p(path).write_bytes(data)
+    self.filesystem().pipe_file(str(path), data)
 
   def append_line(self, path, line: bytes) -> None:
     """No appends on an object store: the object is rewritten whole with the line added."""
@@ -293,16 +290,15 @@ class GCSStore(Store):
     self.filesystem().put_file(local, str(path))
 
   def remove(self, path) -> None:
-    self._p(path).unlink()
+    self.filesystem().rm_file(str(path))
 
   def rmtree(self, path) -> None:
-    p = self._p(path)
-    if p.exists():
-      p.rmtree() if p.is_dir() else p.unlink()
+    if self.exists(path):
+      self.filesystem().rm(str(path), recursive=True)
 
   def move(self, src, dst) -> None:
     """A copy of every object, then their removal (not atomic)."""
-    self._p(src).rename(dst)
+    self.filesystem().mv(str(src), str(dst), recursive=True)
 
   def replace_dir(self, final: str, write) -> None:
     """No renames: the old objects are removed and the new ones written in place, `write`'s marker last."""
