@@ -7,7 +7,7 @@ import difflib
 import ml_collections
 
 from hnclip_jax import frameworks, sharding
-from hnclip_jax.models.clip import PRESETS
+from hnclip_jax.models import PRESETS
 
 
 # How to compute, not what to compute: set at the top level (config.dtype, config.remat, config.attention), not

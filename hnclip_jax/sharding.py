@@ -49,8 +49,6 @@ LOGICAL_AXES = (
     (r"patch_embed/kernel$", (None, None, None, "embed")),
     (r"(vision|text)_positions$", (None, "embed")),
     (r"(visual|text)_(token_)?projection$", ("embed", None)),
-    (r"^text_head/kernel$", ("embed", None)),  # SigLIP's text head (its projection)
-    (r"^vision_head/probe$", "replicated"),  # SigLIP's attention-pooling query
     (r"token_embedding/embedding$", ("vocab", "embed")),
     (r"(bias|scale|class_embedding|logit_scale|logit_bias)$", "replicated"),
 )
@@ -229,14 +227,26 @@ def _path_str(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
+# The rules of model families' own parameters (their heads), added by models.family.get as each family loads
+# (Family.logical_axes), ahead of the shared ones.
+FAMILY_AXES: dict[str, tuple] = {}
+
+
+def add_family_axes(family: str, rules: tuple) -> None:
+  FAMILY_AXES[family] = tuple(rules)
+
+
 def logical_axes(path: str, ndim: int):
-  for pattern, axes in LOGICAL_AXES:
+  """A parameter's logical axes: the first rule matching its path, the loaded model families' own rules
+  (FAMILY_AXES) before the shared LOGICAL_AXES."""
+  for pattern, axes in (*(r for rules in FAMILY_AXES.values() for r in rules), *LOGICAL_AXES):
     if re.search(pattern, path):
       axes = (None,) * ndim if axes == "replicated" else axes
       if len(axes) != ndim:
         raise ValueError(f"parameter {path} has {ndim} dims but its logical axes are {axes}")
       return axes
-  raise ValueError(f"parameter {path} has no logical axes in hnclip_jax/sharding.py LOGICAL_AXES; add a rule")
+  raise ValueError(f"parameter {path} has no logical axes in hnclip_jax/sharding.py LOGICAL_AXES or its model "
+                   "family's Family.logical_axes; add a rule")
 
 
 def check_model_fits(model_cfg, mesh: Mesh, rules: dict) -> None:

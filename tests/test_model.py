@@ -11,6 +11,7 @@ import pytest
 import openai_bpe
 from hnclip_jax.models import CLIPConfig, PRESETS, abstract_model, bind, init_params
 from hnclip_jax.models.clip_family import CLIPFamily
+from hnclip_jax.models.family import Family
 
 CFG = CLIPConfig(embed_dim=24, image_size=16, patch_size=4, vision_width=32, vision_layers=2, vision_heads=4,
                  vision_mlp_dim=48, text_context=12, vocab_size=50, text_width=32, text_layers=2, text_heads=2,
@@ -200,9 +201,16 @@ def test_model_and_tokenizer_agree_before_anything_compiles(tmp_path):
 
 
 class BidirectionalCLIP(CLIPFamily):
-  """A family defined outside the package: OpenAI CLIP's towers with bidirectional text attention."""
+  """A family defined outside the package: OpenAI CLIP's towers with bidirectional text attention, and a size of
+  its own (it inherits CLIP's preprocessing and sharding rules, not its presets or Hugging Face mapping)."""
   name = "clip_bidirectional"
   causal_text = False
+  presets = {"tiny_bidirectional": dataclasses.replace(CLIPFamily.presets["tiny"], family="clip_bidirectional")}
+
+
+class NoPixels(CLIPFamily):
+  """A family that says nothing about images: refused."""
+  preprocess = Family.preprocess
 
 
 def test_model_families_are_chosen_by_name(monkeypatch):
@@ -231,3 +239,18 @@ def test_model_families_are_chosen_by_name(monkeypatch):
   changed[:, 6:] = 9
   np.testing.assert_array_equal(a.encode_text(tokens), a.encode_text(changed))
   assert not np.allclose(b.encode_text(tokens), b.encode_text(changed), atol=1e-4)
+  # Everything else of a family comes from it too: its presets join PRESETS, the input pipeline preprocesses with
+  # the family's own function, and the Hugging Face / OpenAI formats it does not declare are refused by name.
+  from hnclip_jax.data import pipeline
+  from hnclip_jax.pretrained import export
+  assert PRESETS["tiny_bidirectional"].family == "clip_bidirectional" and "tiny" in PRESETS
+  image = rng.integers(0, 255, size=(40, 50, 3)).astype(np.uint8)
+  for got, want in zip(pipeline.pixels_of(image, 32, "clip_bidirectional"), pipeline.pixels_of(image, 32, "clip")):
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match="model family 'clip_bidirectional' has no Hugging Face mapping"):
+    family.hf("clip_bidirectional")
+  with pytest.raises(ValueError, match="a clip_bidirectional model cannot be written in the OpenAI CLIP format"):
+    export.openai_state_dict(p1, mine)
+  monkeypatch.setitem(family.REGISTRY, "no_pixels", "test_model:NoPixels")
+  with pytest.raises(ValueError, match=r"model family 'no_pixels' \(test_model:NoPixels\) lacks preprocess"):
+    family.get("no_pixels")

@@ -1,5 +1,7 @@
 """SigLIP towers (CLIPConfig.family="siglip") against transformers.SiglipModel (PyTorch, CPU): embeddings, logits and
 the sigmoid loss of small random models saved in the Hugging Face format; nothing is downloaded."""
+import re
+
 import numpy as np
 import pytest
 
@@ -13,10 +15,11 @@ needs_torch = pytest.mark.skipif(torch is None, reason="a parity check against t
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from hnclip_jax import losses, pretrained, sharding  # noqa: E402
 from hnclip_jax.models import CLIP, CLIPConfig, PRESETS, split_params  # noqa: E402
-from hnclip_jax.pretrained import weights  # noqa: E402
+from hnclip_jax.pretrained import hf_siglip as siglip_mapping, weights  # noqa: E402
 
 
 def hf_siglip(seed=0, context=12, vocab=300, act="gelu_pytorch_tanh", layers=(2, 2), image=32):
@@ -144,9 +147,9 @@ def test_siglip_config_is_refused_with_reasons():
   with pytest.raises(ValueError, match="family='sigmoid'"):
     CLIPConfig(family="sigmoid").validate()
   with pytest.raises(ValueError, match="vision_use_head=false"):
-    weights.hf_siglip_config({"vision_config": {"vision_use_head": False}}, "x/config.json")
+    siglip_mapping.config({"vision_config": {"vision_use_head": False}}, "x/config.json")
   with pytest.raises(ValueError, match="projection_size=32 differs"):
-    weights.hf_siglip_config({"vision_config": {"hidden_size": 48}, "text_config": {"projection_size": 32}}, "c")
+    siglip_mapping.config({"vision_config": {"hidden_size": 48}, "text_config": {"projection_size": 32}}, "c")
 
 
 # Published parameter counts of Google's SigLIP checkpoints as converted by KerasHub, from the "params" field of
@@ -184,8 +187,11 @@ def test_siglip_presets_have_the_published_shapes(name):
   ours = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract))
   position_ids = (pub["image"] // pub["patch"]) ** 2 + 64
   assert ours == pub["params"] - position_ids
-  sharding.param_specs(abstract, jax.make_mesh((1, 1, 1), sharding.MESH_AXES),
-                       sharding.parse_rules(sharding.DEFAULT_RULES))
+  specs = sharding.param_specs(abstract, jax.make_mesh((1, 1, 1), sharding.MESH_AXES),
+                               sharding.parse_rules(sharding.DEFAULT_RULES))
+  # The heads' rules are the family's (SigLIPFamily.logical_axes), not the shared table's.
+  assert not [p for p, _ in sharding.LOGICAL_AXES if re.search(p, "text_head/kernel") or re.search(p, "vision_head/probe")]
+  assert sharding.FAMILY_AXES["siglip"] and str(specs["text_head"]["kernel"]) == str(P("fsdp", None))
 
 
 # ------------------------------------------------------------------------------------------- tokenizer, pixels

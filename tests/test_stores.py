@@ -236,7 +236,8 @@ def test_a_store_registered_from_outside_serves_every_paths_call(tmp_path):
       preemption.WorkdirLock(wd)
     lock.release()
     assert not paths.exists(wd.lock)
-    assert set(mem.objects) == {"mem://x/run/model.json", "mem://x/run/metrics.jsonl", "mem://x/run/tokenizer/vocab.txt"}
+    assert set(mem.objects) == {"mem://x/run/model.json", "mem://x/run/metrics.jsonl",
+                                "mem://x/run/tokenizer/vocab.txt"}
   with pytest.raises(ValueError, match="nothing here opens mem://"):
     paths.exists("mem://x/run")
 

@@ -3,30 +3,11 @@ from __future__ import annotations
 
 import grain
 import numpy as np
-from PIL import Image
 
+# The image primitives, here for the frameworks' own inputs (a family's preprocessing is its own: Family.preprocess).
+from hnclip_jax.data.images import CLIP_MEAN, CLIP_STD, normalize, resize_center_crop, resize_square  # noqa: F401
 from hnclip_jax.frameworks.base import check_input_names  # a framework's inputs take no core batch entry's name
-
-
-# OpenAI CLIP's pixel statistics (RGB, [0, 1] scale).
-CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
-CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
-
-
-def resize_center_crop(image, size: int) -> np.ndarray:
-  """PIL image or uint8 [H, W, 3|1] -> uint8 [size, size, 3]: short side to `size` (bicubic), centre crop."""
-  img = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image).squeeze())
-  img = img.convert("RGB")
-  w, h = img.size
-  if (w, h) != (size, size):
-    if w <= h:
-      new_w, new_h = size, int(size * h / w)
-    else:
-      new_w, new_h = int(size * w / h), size
-    img = img.resize((new_w, new_h), Image.BICUBIC)
-    left, top = (new_w - size) // 2, (new_h - size) // 2
-    img = img.crop((left, top, left + size, top + size))
-  return np.asarray(img, np.uint8)
+from hnclip_jax.models import family as family_lib
 
 
 def clip_preprocess(image, size: int, family: str = "clip") -> np.ndarray:
@@ -35,42 +16,10 @@ def clip_preprocess(image, size: int, family: str = "clip") -> np.ndarray:
   return pixels_of(image, size, family)[1]
 
 
-def normalize(image: np.ndarray) -> np.ndarray:
-  """uint8 [H, W, 3] -> float32 [H, W, 3]: scaled to [0, 1], then CLIP mean/std."""
-  return (np.asarray(image, np.float32) / 255.0 - CLIP_MEAN) / CLIP_STD
-
-
-def resize_square(image, size: int) -> np.ndarray:
-  """PIL image or uint8 [H, W, 3|1] -> uint8 [size, size, 3]: the whole image resized to size x size (bicubic, no
-  crop; SigLIP's processor)."""
-  img = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image).squeeze())
-  img = img.convert("RGB")
-  if img.size != (size, size):
-    img = img.resize((size, size), Image.BICUBIC)
-  return np.asarray(img, np.uint8)
-
-
-def _clip_pixels(image, size: int):
-  """OpenAI CLIP's: short side to `size` (bicubic), centre crop, CLIP mean/std."""
-  u8 = resize_center_crop(image, size)
-  return u8, normalize(u8)
-
-
-def _siglip_pixels(image, size: int):
-  """SigLIP's: the whole image resized to size x size, mean 0.5 / std 0.5."""
-  u8 = resize_square(image, size)
-  return u8, np.asarray(u8, np.float32) / 127.5 - 1.0
-
-
-# CLIPConfig.family -> its image preprocessing (hnclip_jax/models/family.py: the family names)
-PREPROCESS = {"clip": _clip_pixels, "siglip": _siglip_pixels}
-
-
 def pixels_of(image, size: int, family: str = "clip") -> tuple[np.ndarray, np.ndarray]:
-  """(uint8 [size, size, 3] as the model sees it, float32 normalised) for the model family (`PREPROCESS`)."""
-  if family not in PREPROCESS:
-    raise ValueError(f"model family {family!r} has no image preprocessing here; known: {sorted(PREPROCESS)}")
-  return PREPROCESS[family](image, size)
+  """(uint8 [size, size, 3] as the model sees it, float32 normalised) by the model family's own preprocessing
+  (models/family.py: `Family.preprocess`)."""
+  return family_lib.get(family).preprocess(image, size)
 
 
 def text_of(c) -> str:
@@ -154,7 +103,7 @@ def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed
   `caption_choice(seed, k, index)` picks.
   extra_inputs: a framework's (example, caption, image uint8 [H, W, 3], seed, step, index) -> {name: array}, added
   to each row (hnclip_jax.frameworks: `inputs`); a pure function of its arguments keeps resumes bit-identical.
-  family: the model family whose image preprocessing applies (`PREPROCESS`).
+  family: the model family whose image preprocessing applies (`Family.preprocess`).
   plan: step -> the global batch's example indices (`clustering.ClusteredBatches`, config.data.batching =
   "clustered"), a pure function of the step like the random order; None: the seeded random order.
   """

@@ -206,12 +206,12 @@ class DoRALinear(nnx.LoRALinear):
     return (base + (ratio - 1) * (xd @ w0.astype(dt)) + ratio * self.scale * low_rank).astype(dt) + bias
 
 
-def _apply(layer, x, rng):
+def apply_dense(layer, x, rng):
   """A dense layer on x; adapter layers also get their dropout key."""
   return layer(x, rng) if isinstance(layer, (LoRALinear, DoRALinear)) else layer(x)
 
 
-def _key(rng, i: int):
+def dropout_key(rng, i: int):
   return None if rng is None else jax.random.fold_in(rng, i)
 
 
@@ -259,37 +259,6 @@ def einsum_attention(q, k, v, causal):
   p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
   return heads_major(jnp.einsum("bhqk,bhkd->bhqd", p, v))
 
-# Named sizes. "tiny" is the CPU demo size; the others are OpenAI's.
-PRESETS = {
-    "tiny": CLIPConfig(),
-    "vit_b16": CLIPConfig(embed_dim=512, image_size=224, patch_size=16, vision_width=768, vision_layers=12,
-                          vision_heads=12, vision_mlp_dim=3072, text_context=77, vocab_size=49408,
-                          text_width=512, text_layers=12, text_heads=8, text_mlp_dim=2048),
-    "vit_l14": CLIPConfig(embed_dim=768, image_size=224, patch_size=14, vision_width=1024, vision_layers=24,
-                          vision_heads=16, vision_mlp_dim=4096, text_context=77, vocab_size=49408,
-                          text_width=768, text_layers=12, text_heads=12, text_mlp_dim=3072),
-}
-
-
-def _siglip(width, layers, heads, mlp, image, patch, vocab=32000, context=64):
-  """A SigLIP size (transformers' SiglipModel; SigLIP's SentencePiece vocabulary, 64 text positions, "</s>" = 1)."""
-  return CLIPConfig(family="siglip", logit_bias=True, embed_dim=width, image_size=image, patch_size=patch,
-                    vision_width=width, vision_layers=layers, vision_heads=heads, vision_mlp_dim=mlp,
-                    text_context=context, vocab_size=vocab, text_width=width, text_layers=layers, text_heads=heads,
-                    text_mlp_dim=mlp, eot_token_id=1, act="gelu_tanh", ln_eps=1e-6)
-
-
-# SigLIP's published sizes (SigLIP 2's fixed-resolution checkpoints have the same towers with Gemma's 256k
-# vocabulary: set model.vocab_size from the tokenizer). "tiny_siglip" is the CPU demo size.
-PRESETS.update({
-    "tiny_siglip": dataclasses.replace(_siglip(128, 2, 4, 512, 64, 8, vocab=49408, context=77), eot_token_id=49407),
-    "siglip_b16_224": _siglip(768, 12, 12, 3072, 224, 16),
-    "siglip_b16_256": _siglip(768, 12, 12, 3072, 256, 16),
-    "siglip_l16_256": _siglip(1024, 24, 16, 4096, 256, 16),
-    "siglip_so400m14_384": _siglip(1152, 27, 16, 4304, 384, 14),
-})
-
-
 class Attention(nnx.Module):
   """Multi-head self-attention with separate q/k/v projections (the Hugging Face layout)."""
 
@@ -310,16 +279,16 @@ class Attention(nnx.Module):
     x = x.reshape(-1, w)  # the projections are 2-D matmuls
     b = x.shape[0] // l
     split = lambda t: t.reshape(b, l, self.heads, w // self.heads)
-    q, k, v = (split(_apply(layer, x, _key(rng, j))) for j, layer in enumerate((self.q, self.k, self.v)))
+    q, k, v = (split(apply_dense(layer, x, dropout_key(rng, j))) for j, layer in enumerate((self.q, self.k, self.v)))
     return self._attend(q, k, v, causal, rng).reshape(shape)
 
   def pool(self, query, x, rng=None):
     """Attention pooling: query [W] (one learned probe) against x [B, L, W] -> [B, W] (SigLIP's MAP head)."""
     b, l, w = x.shape
     flat = x.reshape(b * l, w)
-    q = _apply(self.q, query[None].astype(x.dtype), _key(rng, 0))  # [1, W]: the same for every example
+    q = apply_dense(self.q, query[None].astype(x.dtype), dropout_key(rng, 0))  # [1, W]: the same for every example
     q = jnp.broadcast_to(q.reshape(1, 1, self.heads, w // self.heads), (b, 1, self.heads, w // self.heads))
-    k, v = (_apply(layer, flat, _key(rng, j)).reshape(b, l, self.heads, w // self.heads)
+    k, v = (apply_dense(layer, flat, dropout_key(rng, j)).reshape(b, l, self.heads, w // self.heads)
             for j, layer in ((1, self.k), (2, self.v)))
     return self._attend(q, k, v, False, rng).reshape(b, w)
 
@@ -333,7 +302,7 @@ class Attention(nnx.Module):
       o = einsum_attention(q, k, v, causal)
     else:
       o = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
-    return _apply(self.out, o.reshape(b * lq, h * d), _key(rng, 3))
+    return apply_dense(self.out, o.reshape(b * lq, h * d), dropout_key(rng, 3))
 
 
 class Block(nnx.Module):
@@ -351,8 +320,9 @@ class Block(nnx.Module):
     self.act = ACTIVATIONS[act]
 
   def __call__(self, x, causal, length=None, rng=None):
-    x = x + self.attn(self.ln1(x), causal, length, _key(rng, 0))
-    return x + _apply(self.fc2, self.act(_apply(self.fc1, self.ln2(x), _key(rng, 1))), _key(rng, 2))
+    x = x + self.attn(self.ln1(x), causal, length, dropout_key(rng, 0))
+    return x + apply_dense(self.fc2, self.act(apply_dense(self.fc1, self.ln2(x), dropout_key(rng, 1))),
+                           dropout_key(rng, 2))
 
 
 class Transformer(nnx.Module):
@@ -376,7 +346,7 @@ class Transformer(nnx.Module):
     kept = None
     keep_index = None if keep is None else keep % len(self.blocks)
     for i, block in enumerate(self.blocks):
-      x = apply(block, constrain_batch(x), _key(rng, i))
+      x = apply(block, constrain_batch(x), dropout_key(rng, i))
       if i == keep_index:
         kept = x.reshape(b, l, w)
     x = x.reshape(b, l, w)
@@ -403,7 +373,6 @@ def _l2_normalize(x):
 # For a framework's terms that make outputs of their own (frameworks.Term.outputs): the towers' normalisation and
 # dropout-key derivation.
 l2_normalize = _l2_normalize
-dropout_key = _key
 
 
 class CLIP(nnx.Module):
@@ -525,8 +494,8 @@ class CLIP(nnx.Module):
     dropout_rng: a key for the adapters' dropout (training); None (eval, and every model without it) is no dropout.
     The towers use its fold-ins 0 and 1; the built-in frameworks' passes 2 to 6.
     """
-    img, img_tok, img_hidden = self._image_tower(pixels, token_layer, _key(dropout_rng, 0))
-    txt, txt_tok, txt_hidden = self._text_tower(tokens, token_layer, _key(dropout_rng, 1))
+    img, img_tok, img_hidden = self._image_tower(pixels, token_layer, dropout_key(dropout_rng, 0))
+    txt, txt_tok, txt_hidden = self._text_tower(tokens, token_layer, dropout_key(dropout_rng, 1))
     out = {"img": _l2_normalize(img), "txt": _l2_normalize(txt), "scale": self.scale()}
     if self.cfg.logit_bias:
       out["bias"] = self.bias()

@@ -8,7 +8,20 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
+from hnclip_jax.data import images
+from hnclip_jax.models.clip import CLIPConfig
 from hnclip_jax.models.family import Family
+
+# Named sizes. "tiny" is the CPU demo size; the others are OpenAI's.
+PRESETS = {
+    "tiny": CLIPConfig(),
+    "vit_b16": CLIPConfig(embed_dim=512, image_size=224, patch_size=16, vision_width=768, vision_layers=12,
+                          vision_heads=12, vision_mlp_dim=3072, text_context=77, vocab_size=49408,
+                          text_width=512, text_layers=12, text_heads=8, text_mlp_dim=2048),
+    "vit_l14": CLIPConfig(embed_dim=768, image_size=224, patch_size=14, vision_width=1024, vision_layers=24,
+                          vision_heads=16, vision_mlp_dim=4096, text_context=77, vocab_size=49408,
+                          text_width=768, text_layers=12, text_heads=12, text_mlp_dim=3072),
+}
 
 
 class CLIPFamily(Family):
@@ -16,6 +29,17 @@ class CLIPFamily(Family):
   patch_bias = False
   causal_text = True
   logit_scale_init = math.log(1 / 0.07)
+  presets = PRESETS
+  hf_mapping = "hnclip_jax.pretrained.hf_clip"
+  hf_model_type = "clip"
+  hf_class = "CLIPModel"
+  openai_format = True
+
+  @staticmethod
+  def preprocess(image, size: int):
+    """OpenAI CLIP's: short side to `size` (bicubic), centre crop, CLIP mean/std."""
+    u8 = images.resize_center_crop(image, size)
+    return u8, images.normalize(u8)
 
   @staticmethod
   def check(cfg) -> None:

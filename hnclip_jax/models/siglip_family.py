@@ -4,13 +4,35 @@ is the image embedding (embed_dim = vision_width); bidirectional text attention 
 a dense head with a bias; t starts at 10 (SigLIP's initialisation)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from hnclip_jax.models.clip import ACTIVATIONS, Attention, _apply, _key, dense_factory
+from hnclip_jax.data import images
+from hnclip_jax.models.clip import ACTIVATIONS, Attention, CLIPConfig, apply_dense, dense_factory, dropout_key
 from hnclip_jax.models.family import Family
+
+
+def _siglip(width, layers, heads, mlp, image, patch, vocab=32000, context=64):
+  """A SigLIP size (transformers' SiglipModel; SigLIP's SentencePiece vocabulary, 64 text positions, "</s>" = 1)."""
+  return CLIPConfig(family="siglip", logit_bias=True, embed_dim=width, image_size=image, patch_size=patch,
+                    vision_width=width, vision_layers=layers, vision_heads=heads, vision_mlp_dim=mlp,
+                    text_context=context, vocab_size=vocab, text_width=width, text_layers=layers, text_heads=heads,
+                    text_mlp_dim=mlp, eot_token_id=1, act="gelu_tanh", ln_eps=1e-6)
+
+
+# SigLIP's published sizes (SigLIP 2's fixed-resolution checkpoints have the same towers with Gemma's 256k
+# vocabulary: set model.vocab_size from the tokenizer). "tiny_siglip" is the CPU demo size.
+PRESETS = {
+    "tiny_siglip": dataclasses.replace(_siglip(128, 2, 4, 512, 64, 8, vocab=49408, context=77), eot_token_id=49407),
+    "siglip_b16_224": _siglip(768, 12, 12, 3072, 224, 16),
+    "siglip_b16_256": _siglip(768, 12, 12, 3072, 256, 16),
+    "siglip_l16_256": _siglip(1024, 24, 16, 4096, 256, 16),
+    "siglip_so400m14_384": _siglip(1152, 27, 16, 4304, 384, 14),
+}
 
 
 class MAPHead(nnx.Module):
@@ -31,8 +53,9 @@ class MAPHead(nnx.Module):
     self.act = ACTIVATIONS[act]
 
   def __call__(self, x, rng=None):  # [B, L, W] -> [B, W]
-    a = self.attn.pool(self.probe[...], x, _key(rng, 0))
-    return a + _apply(self.fc2, self.act(_apply(self.fc1, self.ln(a), _key(rng, 1))), _key(rng, 2))
+    a = self.attn.pool(self.probe[...], x, dropout_key(rng, 0))
+    return a + apply_dense(self.fc2, self.act(apply_dense(self.fc1, self.ln(a), dropout_key(rng, 1))),
+                           dropout_key(rng, 2))
 
 
 class SigLIPFamily(Family):
@@ -40,6 +63,19 @@ class SigLIPFamily(Family):
   patch_bias = True
   causal_text = False
   logit_scale_init = math.log(10.0)
+  # Its heads: the text head is a projection like CLIP's; the attention-pooling query is replicated (its dense
+  # layers are named like a block's, vision_head/attn/q, and follow the shared rules).
+  logical_axes = ((r"^text_head/kernel$", ("embed", None)), (r"^vision_head/probe$", "replicated"))
+  presets = PRESETS
+  hf_mapping = "hnclip_jax.pretrained.hf_siglip"
+  hf_model_type = "siglip"
+  hf_class = "SiglipModel"
+
+  @staticmethod
+  def preprocess(image, size: int):
+    """SigLIP's: the whole image resized to size x size (bicubic, no crop), mean 0.5 / std 0.5."""
+    u8 = images.resize_square(image, size)
+    return u8, np.asarray(u8, np.float32) / 127.5 - 1.0
 
   @staticmethod
   def check(cfg) -> None:
@@ -74,7 +110,7 @@ class SigLIPFamily(Family):
     dt = jnp.dtype(model.cfg.dtype)
     x = patches + model.vision_positions[...].astype(dt)
     h, kept = model.run_tower(model.vision, x, False, token_layer, rng)
-    pooled = model.vision_head(model.ln_post(h), _key(rng, 1 << 20))
+    pooled = model.vision_head(model.ln_post(h), dropout_key(rng, 1 << 20))
     return pooled, (None if kept is None else model.ln_post(kept)), h
 
   @staticmethod

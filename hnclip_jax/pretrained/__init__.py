@@ -13,10 +13,9 @@ import tokenizers
 
 from hnclip_jax import frameworks, paths, workdir as workdir_format
 from hnclip_jax.data import pipeline
-from hnclip_jax.models import CLIPConfig, abstract_model, adapters, bind
+from hnclip_jax.models import CLIPConfig, abstract_model, adapters, bind, family
 from hnclip_jax.pretrained import weights
 from hnclip_jax.data.clip_tokenizer import CLIPTokenizer
-from hnclip_jax.data.siglip_tokenizer import SigLIPTokenizer
 from hnclip_jax.data.tokenizer import WordTokenizer
 from hnclip_jax.pretrained.weights import stretch_positions
 
@@ -124,7 +123,7 @@ class Pretrained:
       workdir_format.write_tokenizer(out_dir, self.tokenizer)
 
 
-def _tokenizer_near(directory: str, context: int):
+def tokenizer_near(directory: str, context: int):
   """CLIP's BPE from the files next to the weights, or the word-level tokenizer.json an export of a model trained
   from scratch here writes."""
   tj = os.path.join(directory, "tokenizer.json")
@@ -190,8 +189,6 @@ def check_source(path: str, what: str = "path") -> None:
                      "for Hugging Face weights pass their directory")
 
 
-# CLIPConfig.family -> the tokenizer of a transformers directory of that family (directory, context) -> tokenizer.
-HF_TOKENIZERS = {"clip": _tokenizer_near, "siglip": SigLIPTokenizer.from_directory}
 
 
 def load(path: str, step: int | str | None = None) -> Pretrained:
@@ -218,10 +215,10 @@ def load(path: str, step: int | str | None = None) -> Pretrained:
         got = load(local)
       return Pretrained(got.config, got.params, got.tokenizer, path)
     cfg, params = weights.read_hf_directory(path)
-    return Pretrained(cfg, params, HF_TOKENIZERS[cfg.family](path, cfg.text_context), path)
+    return Pretrained(cfg, params, family.hf(cfg.family).tokenizer(path, cfg.text_context), path)
   if not paths.opens_natively(path):  # an OpenAI .pt file (and a tokenizer beside it): from a local copy
     with paths.local_copy(paths.dirname(path)) as local:
       got = load(os.path.join(local, paths.basename(path)))
     return Pretrained(got.config, got.params, got.tokenizer, path)
   cfg, params = weights.read_openai_file(path)
-  return Pretrained(cfg, params, _tokenizer_near(os.path.dirname(path), cfg.text_context), path)
+  return Pretrained(cfg, params, tokenizer_near(os.path.dirname(path), cfg.text_context), path)

@@ -51,7 +51,7 @@ def _norm(sd, name):
 # --------------------------------------------------------------------------- Hugging Face
 
 
-def _hf_act(name, where):
+def hf_act(name, where):
   acts = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
   if name not in acts:
     raise ValueError(f"{where}: hidden_act={name!r} is not supported ({', '.join(acts)})")
@@ -59,101 +59,21 @@ def _hf_act(name, where):
 
 
 def hf_config(config_json: str) -> CLIPConfig:
-  """CLIPConfig from a transformers CLIPModel or SiglipModel config.json: its model_type names the family
-  (HF_CONFIGS; an old config without one is CLIP's)."""
+  """CLIPConfig from a transformers config.json: its model_type names the model family whose Hugging Face mapping
+  reads it (models/family.py: `Family.hf_model_type`; an old config without one is CLIP's)."""
+  from hnclip_jax.models import family
   with open(config_json) as f:
     c = json.load(f)
   kind = c.get("model_type") or "clip"
-  if kind not in HF_CONFIGS or "vision_config" not in c or "text_config" not in c:
-    raise ValueError(f"{config_json}: not a CLIP or SigLIP config (model_type={c.get('model_type')!r}); expected a "
-                     "transformers CLIPModel or SiglipModel directory")
-  return HF_CONFIGS[kind](c, config_json)
+  name = family.by_hf_model_type(kind)
+  if name is None or "vision_config" not in c or "text_config" not in c:
+    known = ", ".join(family.setting(n, "hf_class") for n in family.REGISTRY if family.setting(n, "hf_mapping"))
+    raise ValueError(f"{config_json}: not a config of a model family here (model_type={c.get('model_type')!r}); "
+                     f"expected a transformers directory of one of: {known}")
+  return family.hf(name).config(c, config_json)
 
 
-def hf_clip_config(c: dict, config_json: str) -> CLIPConfig:
-  """CLIPConfig(family="clip") from a transformers CLIPModel config.json's contents."""
-  v, t = c["vision_config"], c["text_config"]
-  act_v, act_t = _hf_act(v.get("hidden_act", "quick_gelu"), config_json), _hf_act(t.get("hidden_act", "quick_gelu"),
-                                                                                config_json)
-  if act_v != act_t:
-    raise ValueError(f"{config_json}: the towers use different activations ({act_v}, {act_t}); not supported")
-  eos = t.get("eos_token_id", 49407)
-  if eos == 2:  # old configs: Hugging Face then pools at argmax(input_ids), i.e. CLIP's end token (the largest id)
-    eos = t.get("vocab_size", 49408) - 1
-  return CLIPConfig(
-      embed_dim=c.get("projection_dim", 512), image_size=v.get("image_size", 224), patch_size=v.get("patch_size", 32),
-      vision_width=v.get("hidden_size", 768), vision_layers=v.get("num_hidden_layers", 12),
-      vision_heads=v.get("num_attention_heads", 12), vision_mlp_dim=v.get("intermediate_size", 3072),
-      text_context=t.get("max_position_embeddings", 77), vocab_size=t.get("vocab_size", 49408),
-      text_width=t.get("hidden_size", 512), text_layers=t.get("num_hidden_layers", 12),
-      text_heads=t.get("num_attention_heads", 8), text_mlp_dim=t.get("intermediate_size", 2048),
-      eot_token_id=eos, act=act_v, ln_eps=v.get("layer_norm_eps", 1e-5)).validate()
-
-
-SIGLIP_EOS = 1  # "</s>" in SigLIP's SentencePiece vocabulary and Gemma's (SigLIP 2)
-
-
-def hf_siglip_config(c: dict, where: str) -> CLIPConfig:
-  """CLIPConfig(family="siglip") from a transformers SiglipModel config.json (SigLIP and fixed-resolution SigLIP 2
-  checkpoints; defaults as transformers' SiglipVisionConfig / SiglipTextConfig)."""
-  v, t = c.get("vision_config", {}), c.get("text_config", {})
-  act_v, act_t = (_hf_act(x.get("hidden_act", "gelu_pytorch_tanh"), where) for x in (v, t))
-  if act_v != act_t:
-    raise ValueError(f"{where}: the towers use different activations ({act_v}, {act_t}); not supported")
-  if not v.get("vision_use_head", True):
-    raise ValueError(f"{where}: vision_use_head=false (no attention-pooling head, so no image embedding); "
-                     "use a SiglipModel checkpoint")
-  eps_v, eps_t = v.get("layer_norm_eps", 1e-6), t.get("layer_norm_eps", 1e-6)
-  if eps_v != eps_t:
-    raise ValueError(f"{where}: the towers use different layer_norm_eps ({eps_v}, {eps_t}); not supported")
-  width = v.get("hidden_size", 768)
-  projection = t.get("projection_size") or t.get("hidden_size", 768)
-  if projection != width:
-    raise ValueError(f"{where}: text projection_size={projection} differs from the vision hidden_size={width}; "
-                     "the embeddings could not be compared")
-  vocab = t.get("vocab_size", 32000)
-  eos = t.get("eos_token_id", SIGLIP_EOS)
-  if not isinstance(eos, int) or not 0 <= eos < vocab:  # transformers' default 49407 is not a SigLIP id
-    eos = SIGLIP_EOS
-  return CLIPConfig(
-      family="siglip", logit_bias=True, embed_dim=width, image_size=v.get("image_size", 224),
-      patch_size=v.get("patch_size", 16), vision_width=width, vision_layers=v.get("num_hidden_layers", 12),
-      vision_heads=v.get("num_attention_heads", 12), vision_mlp_dim=v.get("intermediate_size", 3072),
-      text_context=t.get("max_position_embeddings", 64), vocab_size=vocab, text_width=t.get("hidden_size", 768),
-      text_layers=t.get("num_hidden_layers", 12), text_heads=t.get("num_attention_heads", 12),
-      text_mlp_dim=t.get("intermediate_size", 3072), eot_token_id=eos, act=act_v, ln_eps=eps_v).validate()
-
-
-def hf_siglip_params(sd: dict, cfg: CLIPConfig, where: str) -> dict:
-  ln = lambda name: _norm(sd, name)
-  lin = lambda name: _linear(sd, name)
-  try:
-    h = "vision_model.head."
-    w, b = sd[h + "attention.in_proj_weight"], sd[h + "attention.in_proj_bias"]  # torch MultiheadAttention: [3W, W]
-    width = w.shape[1]
-    qkv = {k: {"kernel": w[j * width:(j + 1) * width].T, "bias": b[j * width:(j + 1) * width]}
-           for j, k in enumerate("qkv")}
-    return {
-        "patch_embed": {"kernel": sd["vision_model.embeddings.patch_embedding.weight"].transpose(2, 3, 1, 0),
-                        "bias": sd["vision_model.embeddings.patch_embedding.bias"]},
-        "vision_positions": sd["vision_model.embeddings.position_embedding.weight"],
-        "vision": {"blocks": _hf_blocks(sd, "vision_model", cfg.vision_layers)},
-        "ln_post": ln("vision_model.post_layernorm"),
-        "vision_head": {"probe": sd[h + "probe"].reshape(-1), "attn": qkv | {"out": lin(h + "attention.out_proj")},
-                        "ln": ln(h + "layernorm"), "fc1": lin(h + "mlp.fc1"), "fc2": lin(h + "mlp.fc2")},
-        "token_embedding": {"embedding": sd["text_model.embeddings.token_embedding.weight"]},
-        "text_positions": sd["text_model.embeddings.position_embedding.weight"],
-        "text": {"blocks": _hf_blocks(sd, "text_model", cfg.text_layers)},
-        "ln_final": ln("text_model.final_layer_norm"),
-        "text_head": lin("text_model.head"),
-        "logit_scale": sd["logit_scale"].reshape(()),
-        "logit_bias": sd["logit_bias"].reshape(()),
-    }
-  except KeyError as e:
-    raise ValueError(f"{where}: weight {e.args[0]!r} is missing; is this a transformers SiglipModel checkpoint?") from e
-
-
-def _hf_blocks(sd, prefix, layers):
+def hf_blocks(sd, prefix, layers):
   out = {}
   for i in range(layers):
     p = f"{prefix}.encoder.layers.{i}."
@@ -164,39 +84,7 @@ def _hf_blocks(sd, prefix, layers):
   return out
 
 
-def hf_params(sd: dict, cfg: CLIPConfig, where: str) -> dict:
-  """A transformers state dict -> our params, by the model family's layout (HF_PARAMS)."""
-  return HF_PARAMS[cfg.family](sd, cfg, where)
-
-
-def hf_clip_params(sd: dict, cfg: CLIPConfig, where: str) -> dict:
-  ln = lambda name: _norm(sd, name)
-  try:
-    return {
-        "patch_embed": {"kernel": sd["vision_model.embeddings.patch_embedding.weight"].transpose(2, 3, 1, 0)},
-        "class_embedding": sd["vision_model.embeddings.class_embedding"],
-        "vision_positions": sd["vision_model.embeddings.position_embedding.weight"],
-        "ln_pre": ln("vision_model.pre_layrnorm"),
-        "vision": {"blocks": _hf_blocks(sd, "vision_model", cfg.vision_layers)},
-        "ln_post": ln("vision_model.post_layernorm"),
-        "visual_projection": sd["visual_projection.weight"].T,
-        "token_embedding": {"embedding": sd["text_model.embeddings.token_embedding.weight"]},
-        "text_positions": sd["text_model.embeddings.position_embedding.weight"],
-        "text": {"blocks": _hf_blocks(sd, "text_model", cfg.text_layers)},
-        "ln_final": ln("text_model.final_layer_norm"),
-        "text_projection": sd["text_projection.weight"].T,
-        "logit_scale": sd["logit_scale"].reshape(()),
-    }
-  except KeyError as e:
-    raise ValueError(f"{where}: weight {e.args[0]!r} is missing; is this a transformers CLIPModel checkpoint?") from e
-
-
 # --------------------------------------------------------------------------- OpenAI / Long-CLIP
-
-
-# transformers' model_type (= CLIPConfig.family, hnclip_jax/models/family.py) -> its config and weight readers.
-HF_CONFIGS = {"clip": hf_clip_config, "siglip": hf_siglip_config}
-HF_PARAMS = {"clip": hf_clip_params, "siglip": hf_siglip_params}
 
 
 def _count(sd, pattern):
@@ -328,7 +216,8 @@ def read_hf_directory(directory: str):
     sd, where = read_torch_file(pt), pt
   else:
     raise FileNotFoundError(f"{directory}: no model.safetensors or pytorch_model.bin next to config.json")
-  return cfg, hf_params(sd, cfg, where)
+  from hnclip_jax.models import family
+  return cfg, family.hf(cfg.family).params(sd, cfg, where)
 
 
 def read_openai_file(path: str):
