@@ -19,7 +19,6 @@ if __name__ == "__main__":  # first, before anything imports JAX: re-exec under 
   hostmem.use_tcmalloc()
 
 
-import os
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -58,122 +57,30 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 @clean_errors
 def main(argv):
+  """The steps of an eval: check the request, resolve the run (the workdir's model, tokenizer, data), then follow
+  the training run (--watch) or evaluate one checkpoint."""
   del argv
-  import jax
-  from hnclip_jax import config as config_lib, experiment, paths, storage
-  from hnclip_jax.data import builders
-  from hnclip_jax.evaluation import benchmarks as bench_lib, embedding, job
-  from hnclip_jax.metrics import log, quiet_libraries
-  from hnclip_jax.workdir import Workdir, resolve_path as resolve_workdir
+  from hnclip_jax import config as config_lib, experiment
+  from hnclip_jax.evaluation import job
+  from hnclip_jax.metrics import quiet_libraries
+  from hnclip_jax.workdir import resolve_path as resolve_workdir
 
   quiet_libraries()
   config_lib.validate(FLAGS.config)  # a bad setting first, before the workdir is looked at
-  workdir = resolve_workdir(FLAGS.workdir)
-  if paths.isfile(workdir):
-    raise ValueError(f"--workdir={workdir} is a file; pass the directory train.py wrote to")
-  if FLAGS.watch and FLAGS.step is None:  # an eval job may start before the training job has set up its workdir
-    job.wait_for_run(workdir, FLAGS.watch_poll_s, FLAGS.watch_timeout_s)
-  if not paths.isdir(workdir):
-    raise FileNotFoundError(f"--workdir={workdir} does not exist; pass the directory train.py wrote to")
-  if FLAGS.watch and FLAGS.step is not None:
-    raise ValueError(f"--step={FLAGS.step} and --watch: --watch evaluates every new checkpoint as training writes "
-                     "it; pass one of them")
-  if FLAGS.watch and FLAGS.report:
-    raise ValueError("--report with --watch: the report is for one checkpoint; run eval.py --step=N --report=DIR "
-                     "on the step you want to look at")
-  if FLAGS.benchmarks and FLAGS.split:
-    raise ValueError(f"--split={FLAGS.split} with --benchmarks: each benchmark's split is "
-                     "config.eval.benchmarks.NAME.split (default 'test'); set it there")
-  # eval.py records its result in the workdir: find out now, not after the embedding pass
-  storage.check_writable(workdir, "the workdir, where eval.py records its result (eval_results.json),")
-  steps = Workdir(workdir).checkpoint_steps()
-  if not steps and not FLAGS.watch:
-    raise FileNotFoundError(f"no checkpoints in {Workdir(workdir).checkpoints}; train first with train.py "
-                            f"--workdir {workdir}")
-  step = None
-  if not FLAGS.watch:
-    step = steps[-1] if FLAGS.step is None else FLAGS.step
-    if step not in steps:
-      raise ValueError(f"--step={step} has no checkpoint in {Workdir(workdir).checkpoints}; available steps: {steps}")
-  # the resolved run: the data (the workdir's, or the command line's), model, tokenizer, framework, mesh
-  run = experiment.resolve(FLAGS.config, workdir, "eval", overrides=config_flags.get_override_values(FLAGS["config"]))
-  config, wd = run.config, run.wd
-  if FLAGS.benchmarks:
-    benchmarks = bench_lib.resolve(config, FLAGS.benchmarks, order=list(FLAGS.config.eval.benchmarks))
+  request = job.Request(workdir=resolve_workdir(FLAGS.workdir), step=FLAGS.step, watch=FLAGS.watch,
+                        benchmarks=FLAGS.benchmarks, split=FLAGS.split, report=FLAGS.report, score=FLAGS.score,
+                        poll_s=FLAGS.watch_poll_s, timeout_s=FLAGS.watch_timeout_s,
+                        newest_only=FLAGS.watch_newest_only, report_samples=FLAGS.report_samples,
+                        report_failures=FLAGS.report_failures, report_twin_threshold=FLAGS.report_twin_threshold)
+  step = job.check_request(request)  # None with --watch
+  run = experiment.resolve(FLAGS.config, request.workdir, "eval",
+                           overrides=config_flags.get_override_values(FLAGS["config"]))
+  ev = job.start(run, request, order=list(FLAGS.config.eval.benchmarks))
+  if request.watch:
+    job.follow(ev, request)
   else:
-    benchmarks = [bench_lib.own_data(config, FLAGS.split or config.data.eval_split)]
-  for b in benchmarks:
-    builders.check_data_config(b.data)
-  if FLAGS.watch and jax.process_count() > 1:
-    raise ValueError(f"--watch runs as one process ({jax.process_count()} joined): give it its own devices or a CPU "
-                     "host (docs/evaluation.md)")
-  ev = job.Evaluator(run, benchmarks, FLAGS.score)
-  if FLAGS.benchmarks:
-    log("benchmarks: " + "; ".join(f"{b.name}: {experiment.describe_data(b.data)}, split '{b.split}'"
-                                   for b in benchmarks))
-  else:
-    log(f"{run.data_note}; split '{benchmarks[0].split}'")
-  if ev.scorer is not None:
-    log(f"score: {ev.scorer.describe(config)}")
-  if FLAGS.watch:
-    if FLAGS.benchmarks:  # the metric must exist before the first (long) evaluation
-      bench_lib.metric(bench_lib.table([_placeholder(b) for b in benchmarks]), config.eval.best_metric)
-    log(f"watching {wd.checkpoints} (every {FLAGS.watch_poll_s:g} s; ends after the final step, or "
-        f"{FLAGS.watch_timeout_s:g} s without a new checkpoint); best by {config.eval.best_metric} -> "
-        f"{wd.best}")
-    summary = job.watch(ev, poll_s=FLAGS.watch_poll_s, timeout_s=FLAGS.watch_timeout_s,
-                        newest_only=FLAGS.watch_newest_only, metric=config.eval.best_metric)
-    best = summary["best"]
-    log(f"evaluated steps {summary['evaluated']}" + (f", skipped {summary['skipped']}" if summary["skipped"] else "")
-        + (f", missed {summary['missed']} (deleted before this job saw them)" if summary["missed"] else "")
-        + (f"; best: step {best['step']} ({config.eval.best_metric} {best['value']:.2f}) in {wd.best}"
-           if best else "") + f"; history: {wd.eval_history}, TensorBoard: {wd.eval_tensorboard}")
-    ev.close()
-    return
-  _meta, params = ev.read(step)
-  rows, embedded = [], []
-  for b in benchmarks:
-    row, emb = ev.evaluate(params, step, b)
-    rows.append(row)
-    embedded.append(emb)
-  job.log_rows(rows, named=bool(FLAGS.benchmarks))
-  if FLAGS.benchmarks:
-    tab = bench_lib.table(rows)
-    for i, (r, b) in enumerate(zip(rows, benchmarks)):  # eval_results.json: the table (a failed write: one line)
-      wd.record_eval(r, {"data": dict(b.data)}, latest=tab if i == len(rows) - 1 else False)
-    md = job.write_table(wd, tab)
-    if jax.process_index() == 0:
-      print(md, flush=True)
-  else:
-    wd.record_eval(rows[0], {"data": dict(benchmarks[0].data)})
-  if FLAGS.report and jax.process_index() == 0:
-    from hnclip_jax.evaluation.report import write_report
-    for r, b, (img, txt, caption_image) in zip(rows, benchmarks, embedded):
-      _, encoded, captions = ev.data(b)
-      out = paths.resolve(FLAGS.report, "--report")
-      target = paths.join(out, b.name) if FLAGS.benchmarks else out
-      with paths.staged_dir(target) as local:  # a bucket: written locally, then uploaded
-        page = write_report(
-          local, img=img, txt=txt, caption_image=caption_image,
-          captions=[c for caps in captions for c in caps], image_bytes=lambda row, e=encoded: e[row]["image"],
-          recall={"t2i": r["t2i"], "i2t": r["i2t"]}, seed=config.seed, num_samples=FLAGS.report_samples,
-          max_failures=FLAGS.report_failures, twin_threshold=FLAGS.report_twin_threshold,
-          meta={"workdir": workdir, "step": int(step), "data": experiment.describe_data(b.data), "split": b.split,
-                "images": r["num_images"], "captions": r["num_captions"]})
-      log(f"report: {paths.join(target, os.path.basename(page))}")
-  what = (f"{len(rows)} benchmarks; wrote {wd.eval_table('md')}, {wd.eval_table('json')} and {wd.eval_results}"
-          if FLAGS.benchmarks else
-          f"{embedding.describe_counts(rows[0])} of {experiment.describe_data(benchmarks[0].data)}, split "
-          f"'{benchmarks[0].split}'; wrote {wd.eval_results}")
-  log(f"step {step}, {what} (history: {wd.eval_history})")
+    job.evaluate_step(ev, step, request)
   ev.close()
-
-
-def _placeholder(b) -> dict:
-  """A result row of zeros (to check config.eval.best_metric against the table's names before evaluating)."""
-  zeros = {f"R@{k}": 0.0 for k in (1, 5, 10)}
-  return {"step": 0, "benchmark": b.name, "dataset": b.data.name, "split": b.split, "num_images": 0,
-          "num_captions": 0, "t2i": zeros, "i2t": zeros}
 
 
 if __name__ == "__main__":

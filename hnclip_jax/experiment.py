@@ -314,3 +314,57 @@ def truncation_report(config, tokenizer) -> str:
           f"than the {tokenizer.context_length}-token context and are truncated")
 
 
+
+
+def log_run(run: Run) -> None:
+  """The resolved run's lines: the mesh, the host allocator (CPU), the data, the captions the tokenizer truncates."""
+  import jax
+  from hnclip_jax import hostmem
+  from hnclip_jax.metrics import log
+  config, mesh = run.config, run.mesh
+  log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, "
+      f"{jax.process_count()} process(es){sharding.describe_dcn(mesh, config.mesh)}")
+  if jax.devices()[0].platform == "cpu":
+    log(hostmem.cpu_allocator_note())
+  log(f"{run.data_note}; training on split '{config.data.train_split}', evaluating on '{config.data.eval_split}'")
+  log(truncation_report(config, run.tokenizer))
+
+
+def check_framework_data(run: Run, program) -> None:
+  """What the framework needs of the data (its `check_data` hook), before anything compiles; its note logged."""
+  from hnclip_jax.metrics import log
+  check_data = run.hook("check_data")
+  if check_data is not None and (note := check_data(run.config, program.objective)):
+    log(note)
+
+
+def restore_or_start(run: Run, program, account):
+  """-> (the run's Checkpointer, its state): the newest intact checkpoint restored, else a fine-tuning start from
+  config.init_from (fresh optimizer, step 0), else the model initialised from config.seed — created on the
+  program's shardings; the frozen parameters stored once at a first start. A checkpoint of another model or
+  optimizer: ValueError saying what differs (resume_error)."""
+  from hnclip_jax import checkpoint
+  from hnclip_jax.metrics import log
+  config, wd, model_cfg = run.config, run.wd, run.model
+  ckpt = wd.checkpointer(max_to_keep=config.max_to_keep, async_save=config.async_checkpointing,
+                         overlap_steps=config.checkpoint_overlap_steps, frozen=program.frozen)
+  try:
+    with account.part("restore"):
+      latest, state, saved_meta = ckpt.restore_latest_intact(
+          program.target(),
+          check_meta=lambda meta, where: check_model_compatible(meta.get("model"), model_cfg, where))
+  except checkpoint.IncompatibleCheckpoint as e:
+    raise resume_error(e, config, wd) from None
+  if state is not None:
+    changed = config_changes(saved_meta.get("config"), config)
+    log(f"resumed from {ckpt.directory}/{latest} (step {latest})" +
+        (f"; settings changed since that checkpoint: {', '.join(changed)}" if changed else ""))
+  elif run.init_params is not None:  # fine-tuning start: given weights, fresh optimizer, step 0
+    state = train_step.initial_state(program.tx, program.shardings, params=run.init_params)
+    log(f"initialised from {config.init_from}")
+  else:
+    state = train_step.initial_state(program.tx, program.shardings, model_cfg=model_cfg, seed=config.seed)
+  if latest is None and program.frozen is not None:
+    ckpt.save_frozen(state["params"])  # once: checkpoints then hold only what trains, and reference these
+    log(f"frozen parameters stored once in {ckpt.frozen_dir}")
+  return ckpt, state

@@ -151,6 +151,13 @@ class Throughput:
     self.peak, self.flops = peak_flops(device_kind), None
     self._t, self._s, self._wait = time.perf_counter(), start_step, 0.0
 
+  def count_flops(self, step_fn, state, batch) -> None:
+    """Once, after the first step: the matmul FLOPs per device of the step program just run (from jit's cache),
+    for MFU."""
+    if self.flops is None:
+      from hnclip_jax import hlo
+      self.flops = hlo.matmul_flops(step_fn.lower(state, batch).compile().as_text())
+
   def waited(self, seconds: float) -> None:
     self._wait += seconds
 

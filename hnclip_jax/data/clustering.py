@@ -125,3 +125,29 @@ def write_index(file: str, meta_file: str, index: np.ndarray, built_from: str) -
   paths.write_bytes(file, buf.getvalue())
   paths.write_text(meta_file, json.dumps({"examples": int(index.shape[0]), "dim": int(index.shape[1]),
                                           "fingerprint": fingerprint(index), "built_from": built_from}, indent=2))
+
+
+def batch_plan(config, wd, num_examples: int, start: int, embed_captions, log=print):
+  """config.data.batching='clustered': the batches of caption neighbours under the start model, from the workdir's
+  caption index (Workdir.caption_index) — made at the run's first start by `embed_captions()` ([N, E]) and stored
+  there by process 0; a resumed run needs it (it cannot be made again from a later checkpoint). None for random
+  batches."""
+  import jax
+  if config.data.batching != "clustered":
+    return None
+  index = read_index(wd.caption_index, wd.caption_index_meta, num_examples)
+  if index is None and start > 0:
+    raise ValueError(f"{wd.caption_index} is missing: this run's clustered batches come from its "
+                     "start model's caption embeddings, stored at its first start, and cannot be made again from a "
+                     "later checkpoint. Restore the file, or start a new workdir")
+  if index is None:
+    index = embed_captions()
+    if jax.process_index() == 0:
+      write_index(wd.caption_index, wd.caption_index_meta, index,
+                  config.init_from or f"initial parameters (seed {config.seed})")
+  plan = ClusteredBatches(index, config.batch_size, config.seed)
+  crowd = mean_in_batch_similarity(index, plan.plan(0))
+  spread = mean_in_batch_similarity(index, random_plan(len(index), config.batch_size, config.seed, 0))
+  log(f"clustered batches: mean in-batch caption similarity (the start model's, epoch 0) {crowd:.3f}, against "
+      f"{spread:.3f} for random batches")
+  return plan

@@ -14,6 +14,7 @@ evaluated or no new checkpoint came for a while.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -23,10 +24,155 @@ from hnclip_jax import frameworks, paths, sharding, storage
 from hnclip_jax.data import builders, pipeline
 from hnclip_jax.evaluation import benchmarks as bench_lib, embedding
 from hnclip_jax.evaluation.retrieval import recall_from_scores
+from hnclip_jax.experiment import describe_data
 from hnclip_jax.metrics import MetricsWriter, log
 from hnclip_jax.models import abstract_model
 from hnclip_jax.workdir import Workdir, check_model_compatible, write_model, write_tokenizer
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """What an eval.py command asks for (its flags)."""
+  workdir: str
+  step: int | None = None
+  watch: bool = False
+  benchmarks: str | None = None
+  split: str | None = None
+  report: str | None = None
+  score: str = "cosine"
+  poll_s: float = 10.0
+  timeout_s: float = 3600.0
+  newest_only: bool = False
+  report_samples: int = 20
+  report_failures: int = 50
+  report_twin_threshold: float = 0.9
+
+
+def check_request(r: Request) -> int | None:
+  """Every check on an eval request that needs no model: the workdir (waited for with --watch), flags that do not
+  go together, a workdir the result can be written to, the step. Returns the step to evaluate (None: --watch)."""
+  if paths.isfile(r.workdir):
+    raise ValueError(f"--workdir={r.workdir} is a file; pass the directory train.py wrote to")
+  if r.watch and r.step is None:  # an eval job may start before the training job has set up its workdir
+    wait_for_run(r.workdir, r.poll_s, r.timeout_s)
+  if not paths.isdir(r.workdir):
+    raise FileNotFoundError(f"--workdir={r.workdir} does not exist; pass the directory train.py wrote to")
+  if r.watch and r.step is not None:
+    raise ValueError(f"--step={r.step} and --watch: --watch evaluates every new checkpoint as training writes "
+                     "it; pass one of them")
+  if r.watch and r.report:
+    raise ValueError("--report with --watch: the report is for one checkpoint; run eval.py --step=N --report=DIR "
+                     "on the step you want to look at")
+  if r.benchmarks and r.split:
+    raise ValueError(f"--split={r.split} with --benchmarks: each benchmark's split is "
+                     "config.eval.benchmarks.NAME.split (default 'test'); set it there")
+  # eval.py records its result in the workdir: find out now, not after the embedding pass
+  storage.check_writable(r.workdir, "the workdir, where eval.py records its result (eval_results.json),")
+  wd = Workdir(r.workdir)
+  steps = wd.checkpoint_steps()
+  if not steps and not r.watch:
+    raise FileNotFoundError(f"no checkpoints in {wd.checkpoints}; train first with train.py --workdir {r.workdir}")
+  if r.watch:
+    return None
+  step = steps[-1] if r.step is None else r.step
+  if step not in steps:
+    raise ValueError(f"--step={step} has no checkpoint in {wd.checkpoints}; available steps: {steps}")
+  return step
+
+
+def start(run, r: Request, order: list[str]) -> "Evaluator":
+  """The resolved eval run's benchmarks (--benchmarks, else the run's own data and split), checked, and its
+  Evaluator (model, tokenizer and encoders, compiled once), with what it evaluates logged."""
+  config = run.config
+  if r.benchmarks:
+    benchmarks = bench_lib.resolve(config, r.benchmarks, order=order)
+  else:
+    benchmarks = [bench_lib.own_data(config, r.split or config.data.eval_split)]
+  for b in benchmarks:
+    builders.check_data_config(b.data)
+  if r.watch and jax.process_count() > 1:
+    raise ValueError(f"--watch runs as one process ({jax.process_count()} joined): give it its own devices or a CPU "
+                     "host (docs/evaluation.md)")
+  ev = Evaluator(run, benchmarks, r.score)
+  if r.benchmarks:
+    log("benchmarks: " + "; ".join(f"{b.name}: {describe_data(b.data)}, split '{b.split}'" for b in benchmarks))
+  else:
+    log(f"{run.data_note}; split '{benchmarks[0].split}'")
+  if ev.scorer is not None:
+    log(f"score: {ev.scorer.describe(config)}")
+  return ev
+
+
+def follow(ev: "Evaluator", r: Request) -> dict:
+  """--watch: every checkpoint the training run writes, evaluated once (`watch`), with its summary logged."""
+  config, wd = ev.config, ev.wd
+  if r.benchmarks:  # the metric must exist before the first (long) evaluation
+    bench_lib.metric(bench_lib.table([_placeholder(b) for b in ev.benchmarks]), config.eval.best_metric)
+  log(f"watching {wd.checkpoints} (every {r.poll_s:g} s; ends after the final step, or {r.timeout_s:g} s without a "
+      f"new checkpoint); best by {config.eval.best_metric} -> {wd.best}")
+  summary = watch(ev, poll_s=r.poll_s, timeout_s=r.timeout_s, newest_only=r.newest_only,
+                  metric=config.eval.best_metric)
+  best = summary["best"]
+  log(f"evaluated steps {summary['evaluated']}" + (f", skipped {summary['skipped']}" if summary["skipped"] else "")
+      + (f", missed {summary['missed']} (deleted before this job saw them)" if summary["missed"] else "")
+      + (f"; best: step {best['step']} ({config.eval.best_metric} {best['value']:.2f}) in {wd.best}"
+         if best else "") + f"; history: {wd.eval_history}, TensorBoard: {wd.eval_tensorboard}")
+  return summary
+
+
+def evaluate_step(ev: "Evaluator", step: int, r: Request) -> list[dict]:
+  """One checkpoint on every benchmark: the rows logged and recorded (eval_history.jsonl, eval_results.json; Table
+  1 with --benchmarks), and the HTML report with --report. Returns the rows."""
+  wd, benchmarks = ev.wd, ev.benchmarks
+  _meta, params = ev.read(step)
+  rows, embedded = [], []
+  for b in benchmarks:
+    row, emb = ev.evaluate(params, step, b)
+    rows.append(row)
+    embedded.append(emb)
+  log_rows(rows, named=bool(r.benchmarks))
+  if r.benchmarks:
+    tab = bench_lib.table(rows)
+    for i, (row, b) in enumerate(zip(rows, benchmarks)):  # eval_results.json: the table (a failed write: one line)
+      wd.record_eval(row, {"data": dict(b.data)}, latest=tab if i == len(rows) - 1 else False)
+    md = write_table(wd, tab)
+    if jax.process_index() == 0:
+      print(md, flush=True)
+  else:
+    wd.record_eval(rows[0], {"data": dict(benchmarks[0].data)})
+  if r.report and jax.process_index() == 0:
+    _write_reports(ev, step, r, rows, embedded)
+  what = (f"{len(rows)} benchmarks; wrote {wd.eval_table('md')}, {wd.eval_table('json')} and {wd.eval_results}"
+          if r.benchmarks else
+          f"{embedding.describe_counts(rows[0])} of {describe_data(benchmarks[0].data)}, split "
+          f"'{benchmarks[0].split}'; wrote {wd.eval_results}")
+  log(f"step {step}, {what} (history: {wd.eval_history})")
+  return rows
+
+
+def _write_reports(ev, step, r: Request, rows, embedded) -> None:
+  from hnclip_jax.evaluation.report import write_report
+  for row, b, (img, txt, caption_image) in zip(rows, ev.benchmarks, embedded):
+    _, encoded, captions = ev.data(b)
+    out = paths.resolve(r.report, "--report")
+    target = paths.join(out, b.name) if r.benchmarks else out
+    with paths.staged_dir(target) as local:  # a bucket: written locally, then uploaded
+      page = write_report(
+          local, img=img, txt=txt, caption_image=caption_image,
+          captions=[c for caps in captions for c in caps], image_bytes=lambda i, e=encoded: e[i]["image"],
+          recall={"t2i": row["t2i"], "i2t": row["i2t"]}, seed=ev.config.seed, num_samples=r.report_samples,
+          max_failures=r.report_failures, twin_threshold=r.report_twin_threshold,
+          meta={"workdir": r.workdir, "step": int(step), "data": describe_data(b.data), "split": b.split,
+                "images": row["num_images"], "captions": row["num_captions"]})
+    log(f"report: {paths.join(target, paths.basename(page))}")
+
+
+def _placeholder(b) -> dict:
+  """A result row of zeros (to check config.eval.best_metric against the table's names before evaluating)."""
+  zeros = {f"R@{k}": 0.0 for k in (1, 5, 10)}
+  return {"step": 0, "benchmark": b.name, "dataset": b.data.name, "split": b.split, "num_images": 0,
+          "num_captions": 0, "t2i": zeros, "i2t": zeros}
 
 
 class Gone(Exception):
