@@ -20,16 +20,13 @@ MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the global batch is split over these
 DEFAULT_RULES = "embed=fsdp,heads=tensor,mlp=tensor,vocab=tensor"
 
-# The towers' top-level modules (models/clip.py CLIP); any other top-level module is a framework's part.
-CORE_MODULES = ("patch_embed", "ln_pre", "vision", "ln_post", "vision_head", "token_embedding", "text", "ln_final",
-                "text_head")
+# The towers' top-level modules every family has (models/clip.py CLIP); a family adds its own (Family.modules,
+# FAMILY_MODULES); any other top-level module is a framework's part (CLIPConfig.parts).
+SHARED_MODULES = ("patch_embed", "vision", "ln_post", "token_embedding", "text", "ln_final")
 
 # (regex on the "/"-joined parameter path, logical axis per dimension); first match wins.
 # "norm" and None are never sharded (small vectors are not worth a collective).
 LOGICAL_AXES = (
-    # A framework's own modules (CLIPConfig.parts: top-level names the towers do not use, e.g. token aggregators of
-    # ~0.1M parameters at ViT-L): replicated.
-    (r"^(?!(?:" + "|".join(CORE_MODULES) + r")/)[^/]+/", "replicated"),
     # LoRA / DoRA adapters (models/adapters.py): A [in, r] and B [r, out] split like the kernel they adapt.
     (r"attn/(q|k|v)/lora/lora_a$", ("embed", None)),
     (r"attn/(q|k|v)/lora/lora_b$", (None, "heads")),
@@ -227,18 +224,28 @@ def _path_str(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-# The rules of model families' own parameters (their heads), added by models.family.get as each family loads
-# (Family.logical_axes), ahead of the shared ones.
+# Model families' own top-level modules and the rules of their own parameters (their heads), added by
+# models.family.get as each family loads (Family.modules, Family.logical_axes); the rules go ahead of the shared ones.
+FAMILY_MODULES: dict[str, tuple] = {}
 FAMILY_AXES: dict[str, tuple] = {}
 
 
-def add_family_axes(family: str, rules: tuple) -> None:
-  FAMILY_AXES[family] = tuple(rules)
+def add_family(family: str, modules: tuple, rules: tuple) -> None:
+  FAMILY_MODULES[family], FAMILY_AXES[family] = tuple(modules), tuple(rules)
+
+
+def is_framework_part(path: str) -> bool:
+  """Whether parameter `path` lies in a top-level module no loaded model family has: a framework's own part."""
+  top, _, rest = path.partition("/")
+  return bool(rest) and top not in SHARED_MODULES and not any(top in m for m in FAMILY_MODULES.values())
 
 
 def logical_axes(path: str, ndim: int):
-  """A parameter's logical axes: the first rule matching its path, the loaded model families' own rules
-  (FAMILY_AXES) before the shared LOGICAL_AXES."""
+  """A parameter's logical axes: the loaded model families' own rules (FAMILY_AXES), then a framework's own modules
+  (CLIPConfig.parts, e.g. token aggregators of ~0.1M parameters at ViT-L: replicated), then the shared
+  LOGICAL_AXES; the first match wins."""
+  if not any(re.search(p, path) for rules in FAMILY_AXES.values() for p, _ in rules) and is_framework_part(path):
+    return (None,) * ndim
   for pattern, axes in (*(r for rules in FAMILY_AXES.values() for r in rules), *LOGICAL_AXES):
     if re.search(pattern, path):
       axes = (None,) * ndim if axes == "replicated" else axes

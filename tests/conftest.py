@@ -255,6 +255,16 @@ def listing(root):
                 for d, _, fs in os.walk(root) for f in fs if f not in (".lock", "debug.log"))
 
 
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+  """A GCS emulator (tests/gcs.py) with bucket "bkt", for one test module."""
+  from gcs import Emulator
+  emu = Emulator(str(tmp_path_factory.mktemp("gcs"))).start()
+  emu.make_bucket("bkt")
+  yield emu
+  emu.stop()
+
+
 @pytest.fixture(scope="session")
 def tfds_dir(tmp_path_factory, worker_id):
   """One TFDS data dir shared by every test of a test process, kept between runs like the XLA cache: under

@@ -20,14 +20,6 @@ BASE = ["--config", "configs/demo.py:test", "--config.total_steps=6", "--config.
         "--config.log_every=1", "--config.eval_every=100", "--config.max_to_keep=10"]
 
 
-@pytest.fixture(scope="module")
-def gcs(tmp_path_factory):
-  emu = Emulator(str(tmp_path_factory.mktemp("gcs"))).start()
-  emu.make_bucket("bkt")
-  yield emu
-  emu.stop()
-
-
 def train(gcs, workdir, tfds_dir, *extra, check=True):
   """gcs: the Emulator, or the environment to run with."""
   return run_py(["train.py", *BASE, "--workdir", str(workdir), f"--config.data.data_dir={tfds_dir}", *extra],

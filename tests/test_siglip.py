@@ -192,6 +192,9 @@ def test_siglip_presets_have_the_published_shapes(name):
   # The heads' rules are the family's (SigLIPFamily.logical_axes), not the shared table's.
   assert not [p for p, _ in sharding.LOGICAL_AXES if re.search(p, "text_head/kernel") or re.search(p, "vision_head/probe")]
   assert sharding.FAMILY_AXES["siglip"] and str(specs["text_head"]["kernel"]) == str(P("fsdp", None))
+  # ... and so are its top-level modules: its heads are not taken for a framework's parts (which are replicated).
+  assert str(specs["vision_head"]["attn"]["q"]["kernel"]) == str(P("fsdp", "tensor"))
+  assert sharding.is_framework_part("aggregator/kernel") and not sharding.is_framework_part("vision_head/fc1/kernel")
 
 
 # ------------------------------------------------------------------------------------------- tokenizer, pixels

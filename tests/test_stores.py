@@ -11,18 +11,9 @@ import re
 
 import pytest
 
-from gcs import Emulator
 from hnclip_jax import paths, stores
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def emulator(tmp_path_factory):
-  emu = Emulator(str(tmp_path_factory.mktemp("gcs"))).start()
-  emu.make_bucket("bkt")
-  yield emu
-  emu.stop()
 
 
 @pytest.fixture(params=["local", "gcs"])
@@ -30,7 +21,7 @@ def base(request, tmp_path, monkeypatch):
   """A fresh directory on each built-in store."""
   if request.param == "local":
     return str(tmp_path / "store")
-  emu = request.getfixturevalue("emulator")
+  emu = request.getfixturevalue("gcs")
   for k, v in emu.env.items():
     monkeypatch.setenv(k, v)
   return f"gs://bkt/{tmp_path.name}"

@@ -29,6 +29,7 @@ class CLIPFamily(Family):
   patch_bias = False
   causal_text = True
   logit_scale_init = math.log(1 / 0.07)
+  modules = ("ln_pre",)
   presets = PRESETS
   hf_mapping = "hnclip_jax.pretrained.hf_clip"
   hf_model_type = "clip"

@@ -34,6 +34,8 @@ class Family:
   patch_bias = False  # the patch convolution has a bias
   causal_text = True  # the text transformer's attention is causal
   logit_scale_init = 0.0  # the logit-scale parameter's start (log t)
+  # Its own top-level modules (beyond sharding.SHARED_MODULES): not taken for a framework's parts.
+  modules: tuple = ()
   # (path regex, logical axes) of the family's own parameters (its heads), ahead of sharding.LOGICAL_AXES' shared
   # rules (sharding.param_specs): "replicated" or one logical name (or None) per dimension.
   logical_axes: tuple = ()
@@ -121,7 +123,7 @@ def get(name: str) -> type[Family]:
     if missing:
       raise ValueError(f"model family {name!r} ({REGISTRY[name]}) lacks {', '.join(missing)}: a family defines "
                        f"{', '.join(REQUIRED)} (hnclip_jax/models/family.py)")
-    sharding.add_family_axes(name, cls.logical_axes)
+    sharding.add_family(name, cls.modules, cls.logical_axes)
     _LOADED[name] = cls
   return _LOADED[name]
 

@@ -65,6 +65,7 @@ class SigLIPFamily(Family):
   logit_scale_init = math.log(10.0)
   # Its heads: the text head is a projection like CLIP's; the attention-pooling query is replicated (its dense
   # layers are named like a block's, vision_head/attn/q, and follow the shared rules).
+  modules = ("vision_head", "text_head")
   logical_axes = ((r"^text_head/kernel$", ("embed", None)), (r"^vision_head/probe$", "replicated"))
   presets = PRESETS
   hf_mapping = "hnclip_jax.pretrained.hf_siglip"
