@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -551,6 +552,31 @@ def test_data_staging_cut_off_by_the_server_ends_in_one_line_and_a_rerun_trains_
   finally:
     relay.stop()
     emu.stop()
+
+
+@pytest.mark.long
+def test_two_processes_with_clustered_batches_on_bucket_data_train_as_from_a_local_build(gcs, tfds_dir, tmp_path):
+  """config.data.batching=clustered with the data on the bucket, 2 processes × 4 devices: the caption index is made
+  from the staged data at the first start and the run equals the same two processes on a local build, bit for
+  bit; killed after its second checkpoint and rerun, it resumes from the stored index and ends the same."""
+  from conftest import run_processes
+  args = ["train.py", "--config", "configs/demo.py:test", "--config.total_steps=4", "--config.log_every=1",
+          "--config.eval_every=4", "--config.checkpoint_every=1", "--config.data.batching=clustered"]
+  straight = tmp_path / "straight"
+  run_processes([*args, f"--config.data.data_dir={tfds_dir}", "--workdir", str(straight)], num_processes=2,
+                devices_per_process=4)
+  env = {**gcs.env, "HNCLIP_DATA_CACHE": str(tmp_path / "cache")}
+  bucket = [*args, "--config.data.data_dir=gs://bkt/clustered-tfds", "--workdir", str(tmp_path / "w")]
+  from conftest import collect_processes, start_processes
+  procs = start_processes(bucket, num_processes=2, devices_per_process=4, env_extra={**env, "HNCLIP_FAULT":
+                                                                                     "kill_after_saves@2"})
+  for p in procs:
+    p.communicate(timeout=600)
+  assert -signal.SIGKILL in [p.returncode for p in procs], [p.returncode for p in procs]
+  assert (tmp_path / "w" / "batching" / "caption_index.npy").exists()
+  outs = collect_processes(start_processes(bucket, num_processes=2, devices_per_process=4, env_extra=env), bucket)
+  assert "resumed from" in outs[0][0] and "clustered batches:" in outs[0][0], outs[0][0][-3000:]
+  assert metrics_rows(tmp_path / "w") == metrics_rows(straight)
 
 
 @pytest.mark.long

@@ -278,8 +278,10 @@ class GCSStore(Store):
     """Nothing: a bucket has no directories (a prefix exists once an object is under it)."""
 
   def write_bytes(self, path, data: bytes) -> None:
-    """One object upload, which GCS makes visible whole or not at all."""
-    self.filesystem().pipe_file(str(path), data)
+    """One object upload (gcsfs' resumable upload, the object name in its URL), which GCS makes visible whole or
+    not at all."""
+    with self.filesystem().open(str(path), "wb") as f:
+      f.write(data)
 
   def append_line(self, path, line: bytes) -> None:
     """No appends on an object store: the object is rewritten whole with the line added."""
