@@ -294,7 +294,7 @@ class Checkpointer:
     # What this process writes: its primary copy of each shard (all of it on one process).
     need = sum(int(sh.data.nbytes) for x in jax.tree.leaves(state) for sh in getattr(x, "addressable_shards", [])
                if sh.replica_id == 0)
-    free = storage.free_bytes(self.directory)
+    free = paths.free_bytes(self.directory)
     if free is not None and free < need:
       raise CheckpointError(f"checkpoint {self.directory}/{step} needs about {need / 2**20:.1f} MiB, but only "
                             f"{free / 2**20:.1f} MiB are free there; nothing was written and "

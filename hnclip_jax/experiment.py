@@ -343,7 +343,6 @@ def restore_or_start(run: Run, program, account):
   config.init_from (fresh optimizer, step 0), else the model initialised from config.seed — created on the
   program's shardings; the frozen parameters stored once at a first start. A checkpoint of another model or
   optimizer: ValueError saying what differs (resume_error)."""
-  from hnclip_jax import checkpoint
   from hnclip_jax.metrics import log
   config, wd, model_cfg = run.config, run.wd, run.model
   ckpt = wd.checkpointer(max_to_keep=config.max_to_keep, async_save=config.async_checkpointing,
@@ -353,7 +352,7 @@ def restore_or_start(run: Run, program, account):
       latest, state, saved_meta = ckpt.restore_latest_intact(
           program.target(),
           check_meta=lambda meta, where: check_model_compatible(meta.get("model"), model_cfg, where))
-  except checkpoint.IncompatibleCheckpoint as e:
+  except IncompatibleCheckpoint as e:
     raise resume_error(e, config, wd) from None
   if state is not None:
     changed = config_changes(saved_meta.get("config"), config)

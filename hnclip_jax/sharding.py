@@ -244,9 +244,9 @@ def logical_axes(path: str, ndim: int):
   """A parameter's logical axes: the loaded model families' own rules (FAMILY_AXES), then a framework's own modules
   (CLIPConfig.parts, e.g. token aggregators of ~0.1M parameters at ViT-L: replicated), then the shared
   LOGICAL_AXES; the first match wins."""
-  if not any(re.search(p, path) for rules in FAMILY_AXES.values() for p, _ in rules) and is_framework_part(path):
-    return (None,) * ndim
-  for pattern, axes in (*(r for rules in FAMILY_AXES.values() for r in rules), *LOGICAL_AXES):
+  family = [r for rules in FAMILY_AXES.values() for r in rules]
+  framework = [(r".", "replicated")] if is_framework_part(path) else []
+  for pattern, axes in (*family, *framework, *LOGICAL_AXES):
     if re.search(pattern, path):
       axes = (None,) * ndim if axes == "replicated" else axes
       if len(axes) != ndim:

@@ -79,10 +79,6 @@ def check_writable(directory: str, what: str) -> None:
                        "writable (or free space) or choose another directory. Nothing was changed") from e
 
 
-def free_bytes(directory: str) -> int | None:
-  return paths.free_bytes(directory)
-
-
 class _ConsoleFilter(std_logging.Filter):
   """Keeps library tracebacks and multi-line records off the console (they go to the debug log)."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import tempfile
 
 
@@ -160,8 +161,8 @@ class Store:
       for f in self.files(directory):
         local = os.path.join(tmp, *f["rel"].split("/"))
         os.makedirs(os.path.dirname(local), exist_ok=True)
-        with open(local, "wb") as out:
-          out.write(self.read_bytes(f["path"]))
+        with self.open_read(f["path"], 16 << 20) as src, open(local, "wb") as out:
+          shutil.copyfileobj(src, out, 16 << 20)  # streamed: a weights directory holds GB files
       yield tmp
 
   @contextlib.contextmanager
