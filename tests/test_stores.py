@@ -251,3 +251,25 @@ def test_no_module_outside_the_storage_layer_asks_which_store_a_path_is_on():
     found += [f"{script}:{i}" for i, line in enumerate(open(os.path.join(ROOT, script)), 1) if SCHEME_TEST.search(line)]
   assert not found, found
   assert SCHEME_TEST.search('if paths.is_url(workdir):') and SCHEME_TEST.search('x.split("://", 1)')  # it can find
+
+
+@pytest.mark.parametrize("port", ["40312", "40499", "44010"])
+def test_a_bucket_error_is_named_by_its_kind_never_by_digits_in_a_url(port, monkeypatch):
+  # CI once read a dead emulator on port 40312 as "403: may not write". The status is a whole number or gcsfs' .code.
+  from hnclip_jax.stores import gcs as gcs_store
+  monkeypatch.setattr(gcs_store, "credentials_problem", lambda: None)
+  store = stores.of("gs://bkt/run")
+  dead = stores.Unreachable(f"Cloud Storage cannot be reached (Cannot connect to host 127.0.0.1:{port} ssl:default "
+                            "[Connect call failed ('127.0.0.1', {port})])")
+  assert "cannot be reached for gs://bkt" in store.describe_error("gs://bkt/run", dead)
+
+  class HttpError(OSError):
+    def __init__(self, code, text):
+      super().__init__(text)
+      self.code = code
+
+  url = f"http://127.0.0.1:{port}/storage/v1/b/bkt/o"
+  assert "may not write gs://bkt" in store.describe_error("gs://bkt/run", HttpError(403, f"Forbidden: {url}"))
+  assert "does not exist" in store.describe_error("gs://bkt/run", HttpError(404, f"{url}"))
+  assert "may not write gs://bkt" in store.describe_error("gs://bkt/run", RuntimeError(f"HTTP 403 for {url}"))
+  assert "cannot be reached" in store.describe_error("gs://bkt/run", ConnectionError(f"cannot connect to {url}"))

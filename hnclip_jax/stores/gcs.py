@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -387,14 +388,21 @@ class GCSStore(Store):
     if not isinstance(err, FileNotFoundError) and credentials_problem() is not None:
       err, text = credentials_problem(), "no Application Default Credentials found"
     low = f"{type(err).__name__} {text}".lower()
-    if isinstance(err, FileNotFoundError) or "404" in low or "not found" in low and "credential" not in low:
+    # An HTTP status as a whole number (or gcsfs' own .code), never digits inside a URL: an emulator's port 40312
+    # once read as "403 Forbidden".
+    status = getattr(err, "code", None)
+    codes = {status} if isinstance(status, int) else {int(c) for c in re.findall(r"(?<![\d.:])(4\d\d)(?![\d.])", low)}
+    if isinstance(err, Unreachable) or "connect" in low and not codes:
+      return (f"Cloud Storage cannot be reached for gs://{b} ({type(err).__name__}: {text}); check the network (or "
+              "STORAGE_EMULATOR_HOST for an emulator)")
+    if isinstance(err, FileNotFoundError) or 404 in codes or "not found" in low and "credential" not in low:
       return (f"bucket gs://{b} does not exist (or the object path is wrong); create it next to the TPUs "
               f"(gcloud storage buckets create gs://{b} --location=REGION) or fix the URL")
-    if any(k in low for k in ("credential", "401", "unauthenticated", "refresh", "auth")):
+    if 401 in codes or any(k in low for k in ("credential", "unauthenticated", "refresh", "auth")):
       return (f"no usable Google Cloud credentials for gs://{b} ({type(err).__name__}); run `gcloud auth "
               "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, or on "
               "a TPU / GCE VM give its service account access to the bucket")
-    if "403" in low or "permission" in low or "forbidden" in low:
+    if 403 in codes or "permission" in low or "forbidden" in low:
       return (f"this account may not write gs://{b} ({type(err).__name__}); grant it roles/storage.objectAdmin on "
               "the bucket or use another one")
     if "connect" in low or "name or service not known" in low or "timeout" in low:
