@@ -146,8 +146,11 @@ def base_config() -> ml_collections.ConfigDict:
       # name: synthetic | docci | dci | long_dci | urban1k | coco | flickr30k | pairs.
       # manual_dir: where the downloaded files are.
       # on_bad_example: "error" stops the build at a bad example, "skip" leaves it out and reports it.
+      # build: a dataset made from downloaded files is read from its build in data_dir, named after the files
+      # (default_<fingerprint>; the log prints it). Empty: the build of the files in manual_dir; a name: that build,
+      # read without the files (a pod's other hosts, an eval or replacement VM). A run records it in data.json.
       "name": "synthetic", "data_dir": "", "train_split": "train", "eval_split": "test",
-      "manual_dir": "", "on_bad_example": "error",
+      "manual_dir": "", "on_bad_example": "error", "build": "",
       # Synthetic data only (captions: "dense" near-duplicate descriptions, "short" alt-text for pre-training, or
       # "detailed", dense captions in another grammar: the three-stage regime's intermediate domain):
       "num_train": 4096, "num_test": 512, "group_size": 4, "image_size": 64, "seed": 0, "captions": "dense",

@@ -66,6 +66,8 @@ def resolve(config, workdir: str | None, purpose: str, *, overrides: dict | None
     mesh = sharding.make_mesh(config.mesh, devices)
     sharding.check_batch_size(config.eval_batch_size, mesh, "config.eval_batch_size")
     train_step.check_accumulation(config, mesh)
+    with config.unlocked():  # the build a dataset made from downloaded files reads, named once (data.json keeps it)
+      config.data = builders.pin_build(config.data)
     sources = {"train": builders.data_source(config.data, config.data.train_split),
                "eval": builders.data_source(config.data, config.data.eval_split)}
     if wd.data() is None:
@@ -133,7 +135,11 @@ def describe_data(data) -> str:
     return (f"synthetic ({data['num_train']} train / {data['num_test']} test, group {data['group_size']}, "
             f"{data['image_size']} px, seed {data['seed']}"
             + (f", {data['captions']} captions" if data.get("captions", "dense") != "dense" else "") + ")")
-  return f"{data['name']} from {data['manual_dir']}"
+  where = f"{data['name']} from {data['manual_dir']}" if data.get("manual_dir") else data["name"]
+  return where + (f" (build {data['build']})" if data.get("build") else "")
+
+
+BUILD_INPUT_KEYS = ("name", "manual_dir", "on_bad_example")  # what names a build of downloaded files
 
 
 def resolve_data(config, wd: Workdir, overrides: dict, *, training: bool):
@@ -161,10 +167,12 @@ def resolve_data(config, wd: Workdir, overrides: dict, *, training: bool):
                        + ", ".join(clash) + ". A resume continues on the data it started with: drop those "
                        "overrides, or start a new workdir (--config.init_from=" + wd.path + " takes its parameters)")
   ignored = [f"{k}={config.data[k]!r}" for k in config.data if k not in explicit and k not in DATA_LOCATION_KEYS
-             and k in stored and stored[k] != config.data[k]]
+             and k in stored and stored[k] != config.data[k] and not (k == "build" and not config.data[k])]
   if ignored:
     notes.append("the config file's " + ", ".join(ignored) + " ignored")
   data.update({k: v for k, v in explicit.items() if not training or k in DATA_LOCATION_KEYS})
+  if not training and "build" not in explicit and any(k in explicit for k in BUILD_INPUT_KEYS):
+    data["build"] = ""  # another dataset or folder to evaluate on: its own build, not the recorded one
   if not training and any(data.get(k) != stored.get(k) for k in stored if k not in DATA_LOCATION_KEYS):
     notes.append(f"not the data it was trained on, {describe_data(stored)}")
   config = copy.deepcopy(config)

@@ -167,9 +167,9 @@ def collect_processes(procs, args, *, timeout: int = 600):
   return outs
 
 
-def run_processes(args, *, num_processes: int, devices_per_process: int, timeout: int = 600):
+def run_processes(args, *, num_processes: int, devices_per_process: int, timeout: int = 600, env_of=None):
   """Runs `python ARGS` as a multi-process JAX job on 127.0.0.1; returns the processes' outputs."""
-  procs = start_processes(args, num_processes=num_processes, devices_per_process=devices_per_process)
+  procs = start_processes(args, num_processes=num_processes, devices_per_process=devices_per_process, env_of=env_of)
   return collect_processes(procs, args, timeout=timeout)
 
 
@@ -396,6 +396,8 @@ def run_entry(script: str, args) -> subprocess.CompletedProcess:
   cache = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
                                                "jax_persistent_cache_min_compile_time_secs")}
   sys.argv = argv  # ml_collections reads the --config.* overrides from sys.argv
+  if "hnclip_jax.data.builders" in sys.modules:  # what a fresh process says once, it says again
+    sys.modules["hnclip_jax.data.builders"]._reported.clear()
   os.chdir(ROOT)  # relative paths as `python SCRIPT` from the repo root sees them
   flag_context = _flags_aside() if module_run else _entry_flags(script)
   with flag_context as module, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -1,5 +1,6 @@
 """The benchmark builders read tiny fixtures written in each dataset's exact native layout."""
 import io
+import re
 import json
 import os
 
@@ -10,7 +11,7 @@ from PIL import Image
 
 from hnclip_jax.data import builders, pipeline
 from hnclip_jax.frameworks.segments import segments_of
-from conftest import assert_error_exit, run_py
+from conftest import assert_error_exit, run_processes, run_py
 
 
 def image_bytes(seed, fmt="JPEG", size=(20, 16)):
@@ -257,23 +258,28 @@ def test_pairs_with_several_captions_per_image(tmp_path):
     read_all(cfg("pairs", bad, tmp_path / "d3"), "train")
 
 
+def karpathy_fixture(m, name):
+  """COCO's or Flickr30k's images and Karpathy's split file, in their own layout."""
+  js, folder = {"coco": ("dataset_coco.json", None), "flickr30k": ("dataset_flickr30k.json", "flickr30k-images")}[name]
+  images = []
+  for i, split in enumerate(["train", "restval", "val", "test", "test"]):
+    sub = folder or ("train2014" if split in ("train", "restval") else "val2014")
+    fname = f"{name}_{i:06d}.jpg"
+    write(str(m / sub / fname), image_bytes(1000 + i))
+    entry = {"filename": fname, "split": split, "imgid": i,
+             "sentences": [{"raw": f"{name} image {i} says {j}.", "tokens": [], "imgid": i} for j in range(5)]}
+    if folder is None:
+      entry["filepath"] = sub
+    images.append(entry)
+  write(str(m / js), json.dumps({"images": images, "dataset": name}))
+
+
 def test_coco_and_flickr30k_karpathy_splits(tmp_path):
   """Karpathy's split files in their own layout: restval joins train, five captions per image in order, COCO's
   filepath folders and Flickr's flickr30k-images/."""
-  for name, js, folder in (("coco", "dataset_coco.json", None), ("flickr30k", "dataset_flickr30k.json",
-                                                                  "flickr30k-images")):
+  for name, folder in (("coco", None), ("flickr30k", "flickr30k-images")):
     m = tmp_path / name
-    images = []
-    for i, split in enumerate(["train", "restval", "val", "test", "test"]):
-      sub = folder or ("train2014" if split in ("train", "restval") else "val2014")
-      fname = f"{name}_{i:06d}.jpg"
-      write(str(m / sub / fname), image_bytes(1000 + i))
-      entry = {"filename": fname, "split": split, "imgid": i,
-               "sentences": [{"raw": f"{name} image {i} says {j}.", "tokens": [], "imgid": i} for j in range(5)]}
-      if folder is None:
-        entry["filepath"] = sub
-      images.append(entry)
-    write(str(m / js), json.dumps({"images": images, "dataset": name}))
+    karpathy_fixture(m, name)
     c = cfg(name, m, tmp_path / "d")
     train, test = read_all(c, "train"), read_all(c, "test")
     assert sorted(train) == [f"{folder or 'train2014'}/{name}_00000{i}.jpg" for i in (0, 1)]
@@ -284,8 +290,8 @@ def test_coco_and_flickr30k_karpathy_splits(tmp_path):
     read_all(cfg("coco", tmp_path / "flickr30k", tmp_path / "d3"), "test")
 
 
-def test_train_and_eval_on_pairs_from_scratch(tmp_path, tfds_dir):
-  m = tmp_path / "m"
+def pairs_fixture(m):
+  """40 PNGs and pairs.json: 32 train images, 8 test images, some with a second caption (11 test captions)."""
   words = ["red", "green", "blue", "circle", "square", "left", "right", "small", "large"]
   entries = []
   for i in range(40):
@@ -297,6 +303,12 @@ def test_train_and_eval_on_pairs_from_scratch(tmp_path, tfds_dir):
     if i % 3 == 0:  # some images have a second caption: 8 test images, 11 test captions
       entries.append({"filename": name, "caption": f"number {i}, {cap}", "split": split})
   write(str(m / "pairs.json"), json.dumps(entries))
+  return entries
+
+
+def test_train_and_eval_on_pairs_from_scratch(tmp_path, tfds_dir):
+  m = tmp_path / "m"
+  entries = pairs_fixture(m)
   w = tmp_path / "w"
   base = ["--config", "configs/demo.py:test", "--workdir", str(w)]
   data = ["--config.data.name=pairs", f"--config.data.manual_dir={m}", f"--config.data.data_dir={tmp_path / 'd'}",
@@ -306,18 +318,40 @@ def test_train_and_eval_on_pairs_from_scratch(tmp_path, tfds_dir):
   assert "circle" in vocab and "number" in vocab  # fitted on this dataset's training captions
 
   # The data overrides forgotten: eval and a resume read what the workdir recorded, and say so.
+  build = json.load(open(w / "data.json"))["data"]["build"]  # the build these files gave, named once
+  assert build.startswith("default_") and (tmp_path / "d" / "hnclip_pairs" / build).is_dir()
   ev = run_py(["eval.py", *base])
-  assert f"data: pairs from {m} (recorded in {w}/data.json; the config file's manual_dir='', name='synthetic'" in ev.stdout
+  assert (f"data: pairs from {m} (build {build}) (recorded in {w}/data.json; the config file's manual_dir='', "
+          "name='synthetic'") in ev.stdout
   res = json.load(open(w / "eval_results.json"))
   assert res["dataset"] == "pairs" and (res["num_images"], res["num_captions"]) == (8, 11)
   assert "8 images, 11 captions" in ev.stdout
-  again = run_py(["train.py", *base])
-  assert f"data: pairs from {m} (recorded in {w}/data.json" in again.stdout and "resumed from" in again.stdout
+  # A resume reads the recorded build: with the folder edited since (the edit is not read), and with no folder at
+  # all (a replacement VM); with neither the build nor the files it was made from, it is refused in one line.
+  caption = entries[0]["caption"]
+  entries[0]["caption"] = "an edit made after the run started"
+  write(str(m / "pairs.json"), json.dumps(entries))
+  again = run_py(["train.py", *base, "--config.total_steps=8"])
+  assert f"data: pairs from {m} (build {build}) (recorded in {w}/data.json" in again.stdout
+  assert "resumed from" in again.stdout
+  assert f"reusing the hnclip_pairs build in {tmp_path / 'd'}/hnclip_pairs/{build}/" in again.stdout, again.stdout
+  assert f"the files in {m} have changed since, and are not read" in again.stdout
+  os.rename(m, tmp_path / "m-moved")
+  gone = run_py(["train.py", *base, "--config.total_steps=10"])
+  assert "resumed from" in gone.stdout and "its files are not on this machine" in gone.stdout
+  os.rename(tmp_path / "m-moved", m)
+  os.rename(tmp_path / "d" / "hnclip_pairs" / build, tmp_path / f"{build}-moved")
+  refused = run_py(["train.py", *base, "--config.total_steps=12"], check=False)
+  assert_error_exit(refused, f"config.data.build={build}: there is no such build in {tmp_path / 'd'}/hnclip_pairs",
+                    f"the files in {m} have changed since it was made")
+  os.rename(tmp_path / f"{build}-moved", tmp_path / "d" / "hnclip_pairs" / build)
+  entries[0]["caption"] = caption
   # Contradicting the recorded data on resume is refused; for eval it is another evaluation, kept beside the first.
+  write(str(m / "pairs.json"), json.dumps(entries))
   refused = run_py(["train.py", *base, "--config.data.name=synthetic"], check=False)
   assert_error_exit(refused, "config.data.name='synthetic' (the workdir's: 'pairs')")
   other = run_py(["eval.py", *base, "--config.data.name=synthetic", f"--config.data.data_dir={tfds_dir}"])
-  assert f"not the data it was trained on, pairs from {m}" in other.stdout
+  assert f"not the data it was trained on, pairs from {m} (build {build})" in other.stdout
   assert json.load(open(w / "eval_results.json"))["dataset"] == "synthetic"
   history = [json.loads(line) for line in open(w / "eval_history.jsonl")]
   assert [(h["dataset"], h["num_images"], h["num_captions"]) for h in history] == [("pairs", 8, 11),
@@ -358,3 +392,65 @@ def test_inspect_tool(tmp_path):
   out = proc.stdout
   assert "3 examples" in out and "words: mean 60.0" in out
   assert "truncated at 77 tokens: 33.3%" in out and "truncated at 248 tokens: 0.0%" in out
+
+
+def test_every_builder_prepares_into_a_bucket_and_a_host_without_the_files_reads_it(gcs, tmp_path, monkeypatch,
+                                                                                     capsys):
+  """config.data.data_dir=gs://…: each builder's build goes into the bucket (made locally, then uploaded) and reads
+  back as the same examples as a local build; a host with none of the downloaded files and an empty cache (a pod's
+  other host, a replacement VM) reads it by the name the first one printed (config.data.build); a name with no
+  build behind it is refused in one line that lists the builds there."""
+  for k, v in gcs.env.items():
+    monkeypatch.setenv(k, v)
+  fixtures = {"docci": lambda m: docci_fixture(m), "dci": lambda m: dci_fixture(m),
+              "long_dci": lambda m: (dci_fixture(m), write(str(m / "dci_long.csv"), "filepath\ttitle\n" + "".join(
+                  f"densely_captioned_images/photos/sa_{1000 + i}.jpg\tLong caption {i}\n" for i in range(6)))),
+              "urban1k": lambda m: [(write(str(m / "image" / f"{i}.jpg"), image_bytes(200 + i)),
+                                     write(str(m / "caption" / f"{i}.txt"), f"Street {i}.\n")) for i in range(1, 4)],
+              "pairs": lambda m: [write(str(m / f"p{i}.png"), image_bytes(i, "PNG")) for i in range(3)] and write(
+                  str(m / "pairs.jsonl"), "\n".join(json.dumps({"filename": f"p{i}.png", "caption": f"pair {i}"})
+                                                   for i in range(3))),
+              "coco": lambda m: karpathy_fixture(m, "coco"), "flickr30k": lambda m: karpathy_fixture(m, "flickr30k")}
+  for name, make in fixtures.items():
+    m = tmp_path / name
+    make(m)
+    split = "train" if name in ("pairs", "coco", "flickr30k") else "test"
+    local = read_all(cfg(name, m, tmp_path / "local"), split)
+    capsys.readouterr()
+    monkeypatch.setenv("HNCLIP_DATA_CACHE", str(tmp_path / f"cache-{name}"))
+    assert read_all(cfg(name, m, f"gs://bkt/data/{name}"), split) == local
+    built = re.search(r"data: building \S+ into gs://bkt/data/\S+/(\w+)/[\d.]+: no build for these inputs yet; "
+                      r"config.data.build=(\w+) reads it", capsys.readouterr().out)
+    assert built and built.group(1) == built.group(2), name
+    assert [o for o in gcs.objects("bkt", f"data/{name}/") if o.endswith("dataset_info.json")]
+    builders._reported.clear()
+    monkeypatch.setenv("HNCLIP_DATA_CACHE", str(tmp_path / f"empty-{name}"))
+    elsewhere = cfg(name, tmp_path / "not-here", f"gs://bkt/data/{name}")
+    elsewhere.build = built.group(1)
+    assert read_all(elsewhere, split) == local
+    assert "its files are not on this machine" in capsys.readouterr().out
+  elsewhere.build = "default_0000000000000000"
+  with pytest.raises(FileNotFoundError, match=r"config.data.build=default_0+: there is no such build in "
+                                              r"gs://bkt/data/flickr30k/hnclip_flickr30k \(builds there: default_\w+\), and "
+                                              r"it cannot be made: config.data.manual_dir=\S+not-here'? is not on"):
+    builders.data_source(elsewhere, "train")
+
+
+@pytest.mark.long  # a repeat or a benchmark script's smoke run: `-m long`, run by .ci/run (docs/testing.md)
+def test_processes_whose_copies_of_the_files_differ_read_the_build_process_0_names(tmp_path):
+  """Two processes (two hosts) whose copies of the downloaded files differ in place and times (the build name's
+  fingerprint would differ on each) read the one build process 0 made and named: one build in data_dir, the name
+  data.json records."""
+  from hnclip_jax.data import manual
+  homes = [tmp_path / f"host{i}" for i in range(2)]
+  for home in homes:
+    pairs_fixture(home / "pairs")
+  workdir, data_dir = tmp_path / "w", tmp_path / "d"
+  run_processes(["train.py", "--config", "configs/demo.py:test", "--workdir", str(workdir), "--config.total_steps=2",
+                 "--config.data.name=pairs", "--config.data.manual_dir=~/pairs", f"--config.data.data_dir={data_dir}",
+                 "--config.data.num_test=8", "--config.batch_size=8"],
+                num_processes=2, devices_per_process=2, env_of={i: {"HOME": str(h)} for i, h in enumerate(homes)})
+  names = [f"default_{manual.input_fingerprint(str(h / 'pairs'))}" for h in homes]
+  assert names[0] != names[1]
+  assert [d for d in os.listdir(data_dir / "hnclip_pairs") if not d.startswith(".")] == [names[0]]
+  assert json.load(open(workdir / "data.json"))["data"]["build"] == names[0]

@@ -67,13 +67,32 @@ def _synthetic_config(d) -> SyntheticConfig:
                          image_size=d.image_size, seed=d.seed, captions=captions)
 
 
+def _base(d) -> str:
+  return "skip_bad" if d.on_bad_example == "skip" else "default"
+
+
+def _folder(d) -> str | None:
+  """The manual folder's absolute path when it is on this machine, else None."""
+  if not d.get("manual_dir"):
+    return None
+  path = os.path.abspath(os.path.expanduser(d.manual_dir))
+  return path if os.path.isdir(path) else None
+
+
+def _folder_build(d) -> str | None:
+  """The build name the files in the manual folder give (`default_<fingerprint>`), None without the folder."""
+  folder = _folder(d)
+  return None if folder is None else f"{_base(d)}_{manual.input_fingerprint(folder)}"
+
+
 def _manual_config(d) -> manual.ManualConfig:
-  """Keyed on the inputs: a changed or different manual folder is another config, so another build."""
-  base = "skip_bad" if d.on_bad_example == "skip" else "default"
-  fp = manual.input_fingerprint(d.manual_dir)
-  return manual.ManualConfig(name=f"{base}_{fp}", on_bad_example=d.on_bad_example,
-                             description=f"built from {os.path.abspath(os.path.expanduser(d.manual_dir))} "
-                                         f"(input fingerprint {fp})")
+  """Keyed on the inputs: a changed or different manual folder is another config, so another build; a build named
+  by config.data.build is read by that name, without the folder (pin_build)."""
+  name = d.get("build") or _folder_build(d)
+  folder = _folder(d)
+  return manual.ManualConfig(name=name, on_bad_example=d.on_bad_example,
+                             description=f"built from {folder} (input fingerprint {name.rsplit('_', 1)[1]})"
+                             if folder else f"build {name}")
 
 
 def _manual(builder):
@@ -115,15 +134,77 @@ def check_data_config(data_config) -> None:
     raise ValueError(f"config.data.captions={captions!r} applies to the built-in synthetic data only; "
                      f"config.data.name={data_config.name!r} has its own captions: drop the setting")
   tfds_name, _, manual_needed = DATASETS[data_config.name]
-  if manual_needed:
+  build = data_config.get("build", "")
+  if build and not manual_needed:
+    raise ValueError(f"config.data.build={build!r} names a build of a dataset made from downloaded files; "
+                     f"config.data.name={data_config.name!r} is not one: drop the setting")
+  if build and not build.startswith(_base(data_config) + "_"):
+    raise ValueError(f"config.data.build={build!r} was not made with config.data.on_bad_example="
+                     f"{data_config.on_bad_example!r} (its builds are named {_base(data_config)}_…): set "
+                     "on_bad_example as the build was made, or name another build")
+  if manual_needed and not build:
     how = tfds.builder_cls(tfds_name).MANUAL_DOWNLOAD_INSTRUCTIONS
     if not data_config.manual_dir:
       raise ValueError(f"config.data.name={data_config.name!r} is built from files you download by hand: set "
-                       f"config.data.manual_dir (what it must hold: above)\n{how}")
-    path = os.path.abspath(os.path.expanduser(data_config.manual_dir))
-    if not os.path.isdir(path):
+                       f"config.data.manual_dir (what it must hold: above), or config.data.build=NAME to read a "
+                       f"build already in config.data.data_dir\n{how}")
+    if _folder(data_config) is None:
+      path = os.path.abspath(os.path.expanduser(data_config.manual_dir))
       raise FileNotFoundError(f"config.data.manual_dir={data_config.manual_dir!r}: {path} is not a directory. "
-                              f"Download the data by hand and point manual_dir at it (what it must hold: above)\n{how}")
+                              f"Download the data by hand and point manual_dir at it (what it must hold: above), or "
+                              f"set config.data.build=NAME to read a build already in config.data.data_dir\n{how}")
+
+
+def pin_build(data_config):
+  """config.data with `build` named, for a dataset made from downloaded files: the build these inputs read
+  (`default_<fingerprint of the manual folder>`; `skip_bad_…` with on_bad_example="skip"). data.json records it at
+  a run's first start, so a resume reads that very build — from data_dir, with or without the folder — and a
+  changed folder never slips in a different one. Process 0 names it and the other processes take its name: their
+  copies of the files (if any) may differ in times, and a pod's other hosts need none when data_dir holds the
+  build. Other datasets are returned as they are."""
+  if not DATASETS[data_config.name][2] or data_config.get("build"):
+    return data_config
+  name = error = ""
+  if jax.process_index() == 0:
+    try:
+      check_data_config(data_config)
+      name = _folder_build(data_config)
+    except (OSError, ValueError) as e:
+      error = str(e)
+  if jax.process_count() > 1:
+    text = (name or "\0" + error).encode()[:4096].ljust(4096, b" ")
+    got = multihost_utils.broadcast_one_to_all(np.frombuffer(text, np.uint8))
+    got = bytes(np.asarray(got, np.uint8)).decode(errors="replace").rstrip(" ")
+    name, error = ("", got[1:] or "?") if got.startswith("\0") else (got, "")
+    if error and jax.process_index() != 0:
+      raise ValueError(f"process 0 could not name the build of config.data (its error: {error})")
+  if error:
+    check_data_config(data_config)  # raises it again, with its own type
+    raise ValueError(error)
+  import ml_collections
+  out = ml_collections.ConfigDict(dict(data_config))
+  out.build = name
+  return out
+
+
+def _check_buildable(builder, data_config) -> None:
+  """Before a manual dataset's build is made: the files in the manual folder must be the ones its name says
+  (a build named by config.data.build, or recorded in data.json, is never made from other files)."""
+  if not DATASETS[data_config.name][2]:
+    return
+  build, folder = data_config.build, _folder(data_config)
+  now = _folder_build(data_config)
+  if now == build:
+    return
+  parent = paths.dirname(paths.dirname(str(builder.data_path)))
+  there = sorted(d for d in (paths.listdir(parent) if paths.isdir(parent) else []) if d.startswith(_base(data_config)))
+  raise FileNotFoundError(
+      f"config.data.build={build}: there is no such build in {parent} (builds there: {', '.join(there) or 'none'}), "
+      "and it cannot be made: " + (f"config.data.manual_dir={data_config.manual_dir!r} is not on this machine"
+                                   if folder is None else
+                                   f"the files in {folder} have changed since it was made (they give {now} now)")
+      + ". Point config.data.data_dir at the place that holds the build, restore the files it was made from, or "
+      "start a new workdir on the files as they are")
 
 
 _reported: set = set()
@@ -136,16 +217,22 @@ def _report_build(builder, data_config) -> None:
     return
   _reported.add(where)
   name = builder.builder_config.name
+  manual_needed = DATASETS[data_config.name][2]
   if builder.is_prepared():
-    why = (f"manual folder {data_config.manual_dir} unchanged" if DATASETS[data_config.name][2]
-           else "same settings")
+    why = "same settings"
+    if manual_needed:
+      now = _folder_build(data_config)
+      why = (f"config.data.build={name}; its files are not on this machine" if now is None else
+             f"manual folder {data_config.manual_dir} unchanged" if now == name else
+             f"config.data.build={name}; the files in {data_config.manual_dir} have changed since, and are not read")
     print(f"data: reusing the {builder.name} build in {where} ({why})", flush=True)
     return
   reason = "no build for these inputs yet"
-  if DATASETS[data_config.name][2]:
+  if manual_needed:
+    reason += f"; config.data.build={name} reads it without the files"
     base = name.rsplit("_", 1)[0]
-    parent = os.path.dirname(os.path.dirname(where))
-    others = sorted(d for d in (os.listdir(parent) if os.path.isdir(parent) else [])
+    parent = paths.dirname(paths.dirname(where))
+    others = sorted(d for d in (paths.listdir(parent) if paths.isdir(parent) else [])
                     if d.startswith(base + "_") and d != name)
     if others:
       reason = (f"the manual folder {data_config.manual_dir} differs from what the earlier build(s) "
@@ -184,6 +271,7 @@ def data_source(data_config, split: str, decode_images: bool = True):
   config.data.data_dir may be a bucket (gs://…): the build is made locally and uploaded there once (process 0),
   and every process stages it into its own local cache (data/staging.py) and reads it there."""
   check_data_config(data_config)
+  data_config = pin_build(data_config)
   tfds_name, kwargs, manual_needed = DATASETS[data_config.name]
   builder_kwargs = {**kwargs(data_config), "file_format": "array_record"}
   prepare = {}
@@ -201,6 +289,8 @@ def data_source(data_config, split: str, decode_images: bool = True):
   if jax.process_index() == 0:
     builder = tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **builder_kwargs)
     _report_build(builder, data_config)
+    if not builder.is_prepared():
+      _check_buildable(builder, data_config)
     if in_bucket and not builder.is_prepared():
       _build_into_bucket(tfds_name, data_config.data_dir, builder_kwargs, prepare)
   if jax.process_count() > 1:  # one process prepares, the others wait and then only read

@@ -52,12 +52,13 @@ def resolve(config, names: str, order: list[str] | None = None) -> list[Benchmar
     split = entry.pop("split", DEFAULT_SPLIT)
     data = ml_collections.ConfigDict(config.data)  # a copy (the resolved run's config is frozen)
     with data.unlocked():
-      data.update({"name": name, **entry})
-    if data.name != "synthetic":
+      data.update({"name": name, "build": "", **entry})  # the run's own build is not this benchmark's
+    if data.name != "synthetic" and not (data.build and not entry.get("manual_dir")):
       where = f"config.eval.benchmarks.{name}.manual_dir"
       if not data.manual_dir:
         raise ValueError(f"{where} is empty: set it to the folder that holds {data.name} (absolute, or relative to "
-                         "config.eval.data_root)")
+                         f"config.eval.data_root), or config.eval.benchmarks.{name}.build to a build in "
+                         "config.data.data_dir")
       if not os.path.isabs(os.path.expanduser(data.manual_dir)):
         if not root:
           raise ValueError(f"{where}={data.manual_dir!r} is relative, but config.eval.data_root is empty: set "
