@@ -69,6 +69,12 @@ def test_benchmark_list_is_checked_and_resolved():
   c.eval.benchmarks.mine.manual_dir = "m"
   assert [b.name for b in bench_lib.resolve(c, "all", order=["docci", "urban1k", "mine"])] == ["docci", "urban1k",
                                                                                                 "mine"]
+  # A build read by its name needs no folder; the run's own build is never a benchmark's.
+  c.eval.benchmarks.mine = {"name": "pairs", "build": "default_0123"}
+  c.data.build = "default_run"
+  got = {b.name: b.data for b in bench_lib.resolve(c, "all", order=["docci", "urban1k", "mine"])}
+  assert (got["mine"].build, got["mine"].manual_dir) == ("default_0123", "")
+  assert got["docci"].build == got["urban1k"].build == ""
   c.eval.benchmarks.bad = {"manul_dir": "x"}
   with pytest.raises(ValueError, match=r"unknown key config.eval.benchmarks.bad.manul_dir; did you mean "
                                        r"config.eval.benchmarks.bad.manual_dir\?"):
