@@ -392,6 +392,19 @@ def test_inspect_tool(tmp_path):
   out = proc.stdout
   assert "3 examples" in out and "words: mean 60.0" in out
   assert "truncated at 77 tokens: 33.3%" in out and "truncated at 248 tokens: 0.0%" in out
+  # CLIP's BPE file and a directory holding the same tokenizer (no config.json: its files name the family) count
+  # alike; a directory no family recognises is refused in one line.
+  import openai_bpe
+  from hnclip_jax.data.clip_tokenizer import CLIPTokenizer
+  CLIPTokenizer.from_openai_bpe(openai_bpe.path(), 77).save(str(tmp_path / "clip"))
+  outs = [run_py(["-m", "hnclip_jax.data.inspect", "urban1k", "--split", "test", f"--manual_dir={m}",
+                  f"--data_dir={tmp_path / 'd'}", f"--vocab={v}"]).stdout for v in (openai_bpe.path(), tmp_path / "clip")]
+  counts = [[line for line in o.splitlines() if "tokens (" in line or "truncated" in line] for o in outs]
+  assert counts[0] == counts[1] and "tokens (CLIP BPE, with start/end): mean 62.0, median 62, min 32, max 92" in counts[0][0], counts
+  os.makedirs(tmp_path / "neither")
+  refused = run_py(["-m", "hnclip_jax.data.inspect", "urban1k", "--split", "test", f"--manual_dir={m}",
+                    f"--data_dir={tmp_path / 'd'}", f"--vocab={tmp_path / 'neither'}"], check=False)
+  assert_error_exit(refused, "--vocab=", "a tokenizer directory a model family recognises (clip, siglip")
 
 
 def test_every_builder_prepares_into_a_bucket_and_a_host_without_the_files_reads_it(gcs, tmp_path, monkeypatch,

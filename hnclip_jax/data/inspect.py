@@ -4,19 +4,18 @@
 
 Prints the example count, caption length statistics (words, tokens), the share of captions longer than 77 and
 248 tokens (CLIP, Long-CLIP; 64 and 196 for SigLIP and SigLIP stretched) that would be truncated, and a few
-examples. Tokens are CLIP BPE tokens when --vocab names a CLIP vocabulary (a directory with vocab.json + merges.txt /
-tokenizer.json, or bpe_simple_vocab_16e6.txt.gz), SigLIP tokens when it names a SigLIP directory (spiece.model, or
-tokenizer.json with a SigLIP config.json), else word-level tokens of a vocabulary fitted on the split.
+examples. --vocab: CLIP's bpe_simple_vocab_16e6.txt.gz, or a directory whose model family its config.json or its
+tokenizer files name (models/family.of_directory: CLIP's vocab.json + merges.txt or tokenizer.json, SigLIP's
+spiece.model): that family's tokenizer and text contexts; without it, word-level tokens of a vocabulary fitted on
+the split.
 """
 
-import json
 import os
 
 import numpy as np
 from absl import app, flags
 
 from hnclip_jax.cli import clean_errors
-from hnclip_jax.data.siglip_tokenizer import SPIECE, SigLIPTokenizer
 
 flags.DEFINE_string("split", "test", "Split to inspect.")
 flags.DEFINE_string("manual_dir", "", "Directory with the downloaded files (not needed for 'synthetic').")
@@ -26,14 +25,24 @@ flags.DEFINE_integer("show", 3, "Number of examples to print.")
 flags.DEFINE_bool("skip_bad", False, "Build with on_bad_example=skip.")
 
 
-def _siglip_tokenizer(directory: str):
-  """The SigLIP tokenizer of a SigLIP directory (spiece.model, or tokenizer.json next to a SigLIP config.json)."""
-  config = os.path.join(directory, "config.json")
-  is_siglip = os.path.exists(os.path.join(directory, SPIECE))
-  if not is_siglip and os.path.exists(config):
-    with open(config) as fh:
-      is_siglip = json.load(fh).get("model_type") == "siglip"
-  return SigLIPTokenizer.from_directory(directory, 64) if is_siglip else None
+def _tokenizer(vocab: str):
+  """--vocab -> (tokenizer, what it is, the text contexts to report): a model family's tokenizer directory (its
+  mapping recognises it: models/family.of_directory), CLIP's BPE file, or None (a word-level one is fitted)."""
+  from hnclip_jax.data.clip_tokenizer import CLIPTokenizer
+  from hnclip_jax.models import family
+  if vocab.endswith(".gz"):
+    return CLIPTokenizer.from_openai_bpe(vocab), "CLIP BPE", (77, 248)
+  name = family.of_directory(vocab) if os.path.isdir(vocab) else None
+  if name is None:
+    raise ValueError(f"--vocab={vocab}: neither CLIP's bpe_simple_vocab_16e6.txt.gz nor a tokenizer directory a "
+                     f"model family recognises ({', '.join(family.REGISTRY)}: a config.json naming its model_type, "
+                     "or its tokenizer files)")
+  mapping = family.hf(name)
+  contexts = mapping.TEXT_CONTEXTS
+  tok = mapping.tokenizer(vocab, max(contexts))
+  if tok is None:
+    raise ValueError(f"--vocab={vocab}: a {name} directory without its tokenizer files")
+  return tok, mapping.TOKENIZER_NAME, contexts
 
 
 @clean_errors
@@ -43,7 +52,6 @@ def main(argv):
   from hnclip_jax.config import base_config
   from hnclip_jax.data import builders, pipeline
   from hnclip_jax.data.tokenizer import WordTokenizer
-  from hnclip_jax.data.clip_tokenizer import CLIPTokenizer
   f = flags.FLAGS
   data = base_config().data
   data.name, data.manual_dir, data.data_dir = argv[1], f.manual_dir, f.data_dir
@@ -51,18 +59,11 @@ def main(argv):
   source = builders.data_source(data, f.split, decode_images=False)
   lists = pipeline.caption_lists(source)
   captions = [c for caps in lists for c in caps]
-  contexts, specials = (77, 248), 2  # CLIP's start and end tokens
-  siglip = _siglip_tokenizer(f.vocab) if f.vocab and not f.vocab.endswith(".gz") else None
-  if siglip is not None:
-    tok, kind, contexts = siglip, "SigLIP", (64, 196)
-    specials = 1 if tok._sp is not None else len(tok._tok.encode("", add_special_tokens=True).ids)
-  elif f.vocab:
-    tok = (CLIPTokenizer.from_openai_bpe(f.vocab) if f.vocab.endswith(".gz")
-           else CLIPTokenizer.from_directory(f.vocab))
-    kind = "CLIP BPE"
+  if f.vocab:
+    tok, kind, contexts = _tokenizer(f.vocab)
   else:
-    tok, kind = WordTokenizer.fit(captions, context_length=77), "word-level"
-  tokens = np.array([len(ids) + specials for ids in tok.encode_ids(captions)])
+    tok, kind, contexts = WordTokenizer.fit(captions, context_length=77), "word-level", (77, 248)
+  tokens = np.array([len(ids) + tok.num_special for ids in tok.encode_ids(captions)])
   words = np.array([len(c.split()) for c in captions])
   counts = "" if len(captions) == len(lists) else f" with {len(captions)} captions"
   print(f"{argv[1]}/{f.split}: {len(lists)} examples{counts}")

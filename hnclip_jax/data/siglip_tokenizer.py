@@ -71,6 +71,11 @@ class SigLIPTokenizer:
     else:
       raise ValueError(f"{path}: a SigLIP tokenizer is {SPIECE} or {TOKENIZER_JSON}")
 
+  @property
+  def num_special(self) -> int:
+    """The special tokens each caption gets: "</s>" (spiece.model), or what the tokenizer.json's template adds."""
+    return 1 if self._sp is not None else len(self._tok.encode("", add_special_tokens=True).ids)
+
   def with_context(self, context_length: int) -> "SigLIPTokenizer":
     return SigLIPTokenizer(self.path, context_length)
 

@@ -39,6 +39,7 @@ class PackedTokenizer:
   """
 
   kind = ""
+  num_special = 2  # the start and end tokens each packed caption gets
 
   def __init__(self, tok: tokenizers.Tokenizer, context_length: int):
     if context_length < 3:

@@ -142,6 +142,21 @@ def by_hf_model_type(model_type: str) -> str | None:
   return next((n for n in REGISTRY if setting(n, "hf_mapping") and setting(n, "hf_model_type") == model_type), None)
 
 
+def of_directory(directory: str) -> str | None:
+  """The registered family whose Hugging Face directory (or tokenizer files) `directory` is: by its config.json's
+  model_type, else the first family whose mapping recognises the files (`owns_directory`); None when none does."""
+  import json
+  import os
+  config = os.path.join(directory, "config.json")
+  if os.path.exists(config):
+    with open(config, encoding="utf-8") as f:
+      name = by_hf_model_type(json.load(f).get("model_type"))
+    if name is not None:
+      return name
+  return next((n for n in REGISTRY if setting(n, "hf_mapping") and getattr(hf(n), "owns_directory", None)
+               and hf(n).owns_directory(directory)), None)
+
+
 def presets() -> dict:
   """Every registered family's named sizes; ValueError when two families name one size alike."""
   out, owner = {}, {}

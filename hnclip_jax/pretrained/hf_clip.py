@@ -21,6 +21,22 @@ def tokenizer(directory: str, context: int):
   return tokenizer_near(directory, context)
 
 
+TOKENIZER_NAME = "CLIP BPE"
+TEXT_CONTEXTS = (77, 248)  # CLIP's positions and Long-CLIP's stretch of them
+
+
+def owns_directory(directory: str) -> bool:
+  """A CLIP tokenizer directory without a config.json: transformers' vocab.json + merges.txt, or a tokenizer.json
+  whose vocabulary has CLIP's start token."""
+  if all(os.path.exists(os.path.join(directory, f)) for f in ("vocab.json", "merges.txt")):
+    return True
+  tj = os.path.join(directory, "tokenizer.json")
+  if not os.path.exists(tj):
+    return False
+  with open(tj, encoding="utf-8") as f:
+    return SOT in (json.load(f).get("model", {}).get("vocab") or {})
+
+
 def config(c: dict, config_json: str) -> CLIPConfig:
   """CLIPConfig(family="clip") from a transformers CLIPModel config.json's contents."""
   v, t = c["vision_config"], c["text_config"]

@@ -20,6 +20,16 @@ def tokenizer(directory: str, context: int):
   return SigLIPTokenizer.from_directory(directory, context)
 
 
+TOKENIZER_NAME = "SigLIP"
+TEXT_CONTEXTS = (64, 196)  # the checkpoints' positions; configs/siglip.py stretches them to 196 (Long-CLIP's way)
+
+
+def owns_directory(directory: str) -> bool:
+  """A SigLIP tokenizer directory even without a config.json: SentencePiece's spiece.model, which CLIP never ships."""
+  from hnclip_jax.data.siglip_tokenizer import SPIECE
+  return os.path.exists(os.path.join(directory, SPIECE))
+
+
 SIGLIP_EOS = 1  # "</s>" in SigLIP's SentencePiece vocabulary and Gemma's (SigLIP 2)
 
 
