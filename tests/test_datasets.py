@@ -449,7 +449,6 @@ def test_every_builder_prepares_into_a_bucket_and_a_host_without_the_files_reads
     builders.data_source(elsewhere, "train")
 
 
-@pytest.mark.long  # a repeat or a benchmark script's smoke run: `-m long`, run by .ci/run (docs/testing.md)
 def test_processes_whose_copies_of_the_files_differ_read_the_build_process_0_names(tmp_path):
   """Two processes (two hosts) whose copies of the downloaded files differ in place and times (the build name's
   fingerprint would differ on each) read the one build process 0 made and named: one build in data_dir, the name
