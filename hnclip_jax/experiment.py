@@ -66,8 +66,11 @@ def resolve(config, workdir: str | None, purpose: str, *, overrides: dict | None
     mesh = sharding.make_mesh(config.mesh, devices)
     sharding.check_batch_size(config.eval_batch_size, mesh, "config.eval_batch_size")
     train_step.check_accumulation(config, mesh)
+    fresh_note = f"data: {describe_data(config.data)}"
     with config.unlocked():  # the build a dataset made from downloaded files reads, named once (data.json keeps it)
       config.data = builders.pin_build(config.data)
+    if data_note == fresh_note:  # a first start's line names the build too
+      data_note = f"data: {describe_data(config.data)}"
     sources = {"train": builders.data_source(config.data, config.data.train_split),
                "eval": builders.data_source(config.data, config.data.eval_split)}
     if wd.data() is None:

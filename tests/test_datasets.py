@@ -447,6 +447,7 @@ def test_every_builder_prepares_into_a_bucket_and_a_host_without_the_files_reads
                                               r"gs://bkt/data/flickr30k/hnclip_flickr30k \(builds there: default_\w+\), and "
                                               r"it cannot be made: config.data.manual_dir=\S+not-here'? is not on"):
     builders.data_source(elsewhere, "train")
+  assert "data: building" not in capsys.readouterr().out  # no line saying it builds what it refuses to
 
 
 def test_processes_whose_copies_of_the_files_differ_read_the_build_process_0_names(tmp_path):

@@ -200,7 +200,9 @@ def _check_buildable(builder, data_config) -> None:
   there = sorted(d for d in (paths.listdir(parent) if paths.isdir(parent) else []) if d.startswith(_base(data_config)))
   raise FileNotFoundError(
       f"config.data.build={build}: there is no such build in {parent} (builds there: {', '.join(there) or 'none'}), "
-      "and it cannot be made: " + (f"config.data.manual_dir={data_config.manual_dir!r} is not on this machine"
+      "and it cannot be made: " + ("config.data.manual_dir (the files to make it from) is not set"
+                                   if not data_config.get("manual_dir") else
+                                   f"config.data.manual_dir={data_config.manual_dir!r} is not on this machine"
                                    if folder is None else
                                    f"the files in {folder} have changed since it was made (they give {now} now)")
       + ". Point config.data.data_dir at the place that holds the build, restore the files it was made from, or "
@@ -288,9 +290,9 @@ def data_source(data_config, split: str, decode_images: bool = True):
                               f"{paths.describe_error(root, FileNotFoundError(root))}")
   if jax.process_index() == 0:
     builder = tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **builder_kwargs)
-    _report_build(builder, data_config)
     if not builder.is_prepared():
-      _check_buildable(builder, data_config)
+      _check_buildable(builder, data_config)  # before the line that says it builds
+    _report_build(builder, data_config)
     if in_bucket and not builder.is_prepared():
       _build_into_bucket(tfds_name, data_config.data_dir, builder_kwargs, prepare)
   if jax.process_count() > 1:  # one process prepares, the others wait and then only read
