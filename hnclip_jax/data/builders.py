@@ -231,7 +231,6 @@ def _report_build(builder, data_config) -> None:
     return
   reason = "no build for these inputs yet"
   if manual_needed:
-    reason += f"; config.data.build={name} reads it without the files"
     base = name.rsplit("_", 1)[0]
     parent = paths.dirname(paths.dirname(where))
     others = sorted(d for d in (paths.listdir(parent) if paths.isdir(parent) else [])
@@ -239,6 +238,7 @@ def _report_build(builder, data_config) -> None:
     if others:
       reason = (f"the manual folder {data_config.manual_dir} differs from what the earlier build(s) "
                 f"{', '.join(others)} in {parent} were made from (files, sizes, times or index contents)")
+    reason += f"; config.data.build={name} reads it without the files"
   print(f"data: building {builder.name} into {where}: {reason}", flush=True)
 
 
