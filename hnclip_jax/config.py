@@ -151,6 +151,10 @@ def base_config() -> ml_collections.ConfigDict:
       # read without the files (a pod's other hosts, an eval or replacement VM). A run records it in data.json.
       "name": "synthetic", "data_dir": "", "train_split": "train", "eval_split": "test",
       "manual_dir": "", "on_bad_example": "error", "build": "",
+      # bucket_reads (data_dir on a bucket): "stage" copies the build once into each host's cache
+      # (HNCLIP_DATA_CACHE) and reads it there; "direct" reads each example from the bucket, each process only its
+      # own (one request per example: slower, more bytes; for data larger than a host's disk). docs/buckets.md.
+      "bucket_reads": "stage",
       # Synthetic data only (captions: "dense" near-duplicate descriptions, "short" alt-text for pre-training, or
       # "detailed", dense captions in another grammar: the three-stage regime's intermediate domain):
       "num_train": 4096, "num_test": 512, "group_size": 4, "image_size": 64, "seed": 0, "captions": "dense",

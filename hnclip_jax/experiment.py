@@ -319,6 +319,10 @@ def check_adapters(cfg: CLIPConfig, config, where: str) -> None:
 
 def truncation_report(config, tokenizer) -> str:
   """How many training captions exceed the text context (they are truncated, keeping the end token)."""
+  if builders.reads_in_place(config.data):  # every caption would mean every record of the split, on every host
+    return (f"training captions longer than the {tokenizer.context_length}-token context: not counted at start-up "
+            "(config.data.bucket_reads='direct' would fetch the whole split; python -m hnclip_jax.data.inspect "
+            "counts them)")
   captions = pipeline.read_captions(builders.data_source(config.data, config.data.train_split, decode_images=False))
   long = sum(len(ids) + 2 > tokenizer.context_length for ids in tokenizer.encode_ids(captions))
   return (f"{long} of {len(captions)} training captions ({100 * long / max(len(captions), 1):.1f}%) are longer "

@@ -59,6 +59,8 @@ class TrainLoop:
         workers=config.workers,
         extra_inputs=None if make_inputs is None else make_inputs(config, model_cfg, run.tokenizer),
         family=model_cfg.family, plan=plan))
+    if builders.reads_in_place(config.data):
+      self.batches = pipeline.WatchedReads(self.batches, config.data.data_dir)
     self.eval_captions = None  # read once, at the first eval, without decoding images
     self.stop = preemption.StopRequest()
     self.progress = Progress(self.start, config.total_steps)
@@ -177,14 +179,19 @@ class TrainLoop:
 
   def evaluate(self, step: int) -> None:
     """Recall@K on the eval split with the current parameters: metrics and one log line."""
-    config = self.config
-    if self.eval_captions is None:
-      self.eval_captions = pipeline.caption_lists(
-          builders.data_source(config.data, config.data.eval_split, decode_images=False))
+    config, run = self.config, self.resolved
+
+    def evaluate():
+      if self.eval_captions is None:
+        self.eval_captions = pipeline.caption_lists(
+            builders.data_source(config.data, config.data.eval_split, decode_images=False))
+      return embedding.evaluate(self.state["params"], self.embed_fn, run.sources["eval"], run.tokenizer, run.model,
+                                self.mesh, config.eval_batch_size, self.eval_captions)
     try:
-      run = self.resolved
-      res = embedding.evaluate(self.state["params"], self.embed_fn, run.sources["eval"], run.tokenizer, run.model,
-                               self.mesh, config.eval_batch_size, self.eval_captions)
+      if builders.reads_in_place(config.data):  # reads that may wait on the bucket: watched, as the train batches
+        res = paths.watched(evaluate, config.data.data_dir, f"reading the eval data in {config.data.data_dir}")
+      else:
+        res = evaluate()
     except NonFiniteEmbeddings as e:
       raise ValueError(f"eval at step {step}: {e}") from None
     scalars = {f"eval/{d}/{k}": v for d in ("t2i", "i2t") for k, v in res[d].items()}

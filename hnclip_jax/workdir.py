@@ -68,7 +68,7 @@ BOOKKEEPING = ("total_steps", "log_every", "checkpoint_every", "eval_every", "ma
                "data.data_dir")
 BOOKKEEPING_PREFIXES = ("diagnostics.", "eval.")
 # A data config's identity: every data key except where its build is stored.
-DATA_LOCATION_KEYS = ("data_dir",)
+DATA_LOCATION_KEYS = ("data_dir", "bucket_reads")  # where and how the data is read, not which data
 
 
 def _write_json(path: str, obj) -> None:

@@ -610,3 +610,76 @@ def test_two_processes_stage_a_bucket_build_once_each_and_train_as_from_a_local_
     reads = [r for r in relay.requests if r.startswith("GET ") and "alt=media" in r and ".array_record-" in r]
     assert sorted(re.search(r"(hnclip_synthetic-\w+\.array_record-\d+-of-\d+)", r).group(1) for r in reads) == \
         files, reads
+
+
+@pytest.mark.long  # a repeat or a benchmark script's smoke run: `-m long`, run by .ci/run (docs/testing.md)
+@pytest.mark.parametrize("batching", ["random", "clustered"])
+def test_two_processes_reading_the_bucket_in_place_fetch_only_their_share(gcs, tfds_dir, tmp_path, batching):
+  """config.data.bucket_reads='direct', 2 processes × 4 devices: over a resumed stretch of N steps each process
+  fetches only the training examples of its half of each global batch — one GET per example, counted by a relay in
+  front of the emulator per process: from N·B/2 up to the pipeline's read-ahead more, where whole batches would be
+  N·B — random and clustered batches alike; the run equals the same processes on a local build bit for bit."""
+  from conftest import collect_processes, run_processes, start_processes
+  from gcs import Relay
+  args = ["train.py", "--config", "configs/demo.py:test", "--config.log_every=1", "--config.eval_every=100",
+          "--config.checkpoint_every=4", f"--config.data.batching={batching}"]
+  straight = tmp_path / "straight"
+  run_processes([*args, "--config.total_steps=16", f"--config.data.data_dir={tfds_dir}", "--workdir", str(straight)],
+                num_processes=2, devices_per_process=4)
+  work, direct = tmp_path / "w", ["--config.data.data_dir=gs://bkt/direct-tfds", "--config.data.bucket_reads=direct"]
+  # The first start builds the data into the bucket, reads whole splits (the tokenizer fit, the clustered index) and
+  # is killed after step 5, once checkpoint 4 has landed.
+  procs = start_processes([*args, "--config.total_steps=16", *direct, "--workdir", str(work)], num_processes=2,
+                          devices_per_process=4, env_extra={**gcs.env, "HNCLIP_FAULT": "kill_after_saves@5"})
+  outs = [p.communicate(timeout=600) for p in procs]
+  assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2, [o[1][-3000:] for o in outs]
+  relays = [Relay().start(gcs.port) for _ in range(2)]
+  try:
+    outs = collect_processes(start_processes([*args, "--config.total_steps=16", *direct, "--workdir", str(work)],
+                                             num_processes=2, devices_per_process=4, env_extra=gcs.env,
+                                             env_of={i: relays[i].env(gcs) for i in range(2)}), args)
+  finally:
+    for r in relays:
+      r.stop()
+  assert "reading gs://bkt/direct-tfds in place" in outs[0][0] and "resumed from" in outs[0][0], outs[0][0]
+  assert metrics_rows(work) == metrics_rows(straight)
+  steps, half = 12, 16 // 2
+  for relay in relays:
+    gets = [r for r in relay.requests if r.startswith("GET ") and re.search(r"train\.array_record", r)]
+    assert steps * half <= len(gets) <= (steps + 6) * half < steps * 16, len(gets)
+
+
+@pytest.mark.long  # a repeat or a benchmark script's smoke run: `-m long`, run by .ci/run (docs/testing.md)
+def test_a_server_gone_while_reading_the_bucket_in_place_ends_the_run_in_one_line(tmp_path, tfds_dir):
+  """config.data.bucket_reads='direct', the workdir local: the server goes away mid-epoch while train.py reads its
+  examples from the bucket (a relay in front of it stops): one `error:` line naming the data path within seconds
+  of the reader's own retries, no traceback; with the server back, a plain rerun resumes and ends as a run on a
+  local build."""
+  from gcs import Relay
+  emu = Emulator(str(tmp_path / "gcs")).start()
+  relay = Relay().start(emu.port)
+  try:
+    emu.make_bucket("bkt")
+    base = ["train.py", *BASE, "--config.total_steps=20", "--config.checkpoint_every=4"]
+    local = tmp_path / "local"
+    run_py([*base, f"--config.data.data_dir={tfds_dir}", "--workdir", str(local)])
+    data = ["--config.data.data_dir=gs://bkt/tfds", "--config.data.bucket_reads=direct"]
+    args = [*base, *data, "--workdir", str(tmp_path / "w")]
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(1, relay.env(emu)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+      if line.startswith("step 9/"):  # mid-epoch (8 steps an epoch), checkpoint 8 on its way
+        break
+    relay.stop()
+    t = time.monotonic()
+    out, err = proc.communicate(timeout=400)
+    assert_error_exit(subprocess.CompletedProcess(args, proc.returncode, out, err),
+                      "reading the data in gs://bkt/tfds", "cannot be reached")
+    assert time.monotonic() - t < 90
+    relay.start(emu.port)
+    done = run_py(args, env_extra=relay.env(emu))
+    assert "resumed from" in done.stdout
+    assert metrics_rows(tmp_path / "w") == metrics_rows(local)
+  finally:
+    relay.stop()
+    emu.stop()

@@ -112,6 +112,16 @@ DATASETS = {
 }
 
 
+BUCKET_READS = ("stage", "direct")
+
+
+def reads_in_place(data_config) -> bool:
+  """Whether every example is fetched from the bucket when read (config.data.bucket_reads='direct' on a bucket
+  data_dir): then a read may wait on the bucket, and what reads a whole split is worth avoiding."""
+  return (bool(data_config.get("data_dir")) and not paths.opens_natively(data_config.data_dir)
+          and data_config.get("bucket_reads", "stage") == "direct")
+
+
 def check_data_config(data_config) -> None:
   """Raises naming the config key when the dataset is unknown or its manual folder is not set or missing."""
   if data_config.name not in DATASETS:
@@ -123,6 +133,8 @@ def check_data_config(data_config) -> None:
                      "from a local directory. Copy them to a local disk (gcloud storage cp -r "
                      f"{data_config.manual_dir} /data/raw) and pass that; the build itself may go to a bucket, "
                      "config.data.data_dir=gs://… (docs/buckets.md \"Data in a bucket\")")
+  if data_config.get("bucket_reads", "stage") not in BUCKET_READS:
+    raise ValueError(f"config.data.bucket_reads={data_config.bucket_reads!r}; choose one of {list(BUCKET_READS)}")
   if data_config.get("batching", "random") not in clustering.BATCHINGS:
     raise ValueError(f"config.data.batching={data_config.batching!r}; choose one of {list(clustering.BATCHINGS)}")
   if data_config.on_bad_example not in ("error", "skip"):
@@ -300,7 +312,12 @@ def data_source(data_config, split: str, decode_images: bool = True):
       tfds.builder(tfds_name, data_dir=data_config.data_dir or None, **builder_kwargs).download_and_prepare(**prepare)
     multihost_utils.sync_global_devices(f"prepared {tfds_name}")
   read_from = data_config.data_dir or None
-  if in_bucket:  # every process copies the build to its own disk once (data/staging.py), and reads it there
+  if reads_in_place(data_config):  # each example fetched when read: every process only its own
+    if (data_config.data_dir, "direct") not in _reported:
+      _reported.add((data_config.data_dir, "direct"))
+      print(f"data: reading {data_config.data_dir} in place (config.data.bucket_reads='direct'): each process fetches "
+            "only the examples it reads, one request each (docs/buckets.md \"Data in a bucket\")", flush=True)
+  elif in_bucket:  # every process copies the build to its own disk once (data/staging.py), and reads it there
     remote = str(tfds.builder(tfds_name, data_dir=data_config.data_dir, **builder_kwargs).data_path)
     try:
       read_from, fetched, reused = staging.stage(data_config.data_dir, remote)

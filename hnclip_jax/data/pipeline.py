@@ -5,6 +5,7 @@ import grain
 import numpy as np
 
 # The image primitives, here for the frameworks' own inputs (a family's preprocessing is its own: Family.preprocess).
+from hnclip_jax import paths
 from hnclip_jax.data.images import CLIP_MEAN, CLIP_STD, normalize, resize_center_crop, resize_square  # noqa: F401
 from hnclip_jax.frameworks.base import check_input_names  # a framework's inputs take no core batch entry's name
 from hnclip_jax.models import family as family_lib
@@ -86,6 +87,30 @@ class _PlannedBatch(grain.transforms.MapWithIndex):
 
   def map_with_index(self, step, _):
     return np.asarray(self.plan(step), np.int64)
+
+
+class WatchedReads:
+  """Batches read in place from a bucket (config.data.bucket_reads='direct'), each awaited with paths.watched:
+  array_record's reader (Google Cloud's C++ storage client) retries a server that stopped answering for many
+  minutes, so a bucket that does not answer ends the run within seconds in one line naming the data path."""
+
+  def __init__(self, iterator, data_dir: str):
+    self._it, self._dir, self._what = iterator, data_dir, f"reading the data in {data_dir}"
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    try:
+      return paths.watched(lambda: next(self._it), self._dir, self._what)
+    except (paths.Unreachable, StopIteration):
+      raise
+    except Exception:  # the reader's own error: the bucket's, if it does not answer (exists raises Unreachable)
+      try:
+        paths.exists(self._dir)
+      except paths.Unreachable as e:
+        raise paths.Unreachable(f"{self._what}: {e}") from None
+      raise
 
 
 def train_dataset(source, tokenizer, *, image_size: int, global_batch: int, seed: int, start_step: int = 0,
