@@ -612,8 +612,7 @@ def test_two_processes_stage_a_bucket_build_once_each_and_train_as_from_a_local_
         files, reads
 
 
-@pytest.mark.long  # a repeat or a benchmark script's smoke run: `-m long`, run by .ci/run (docs/testing.md)
-@pytest.mark.parametrize("batching", ["random", "clustered"])
+@pytest.mark.parametrize("batching", ["random", pytest.param("clustered", marks=pytest.mark.long)])
 def test_two_processes_reading_the_bucket_in_place_fetch_only_their_share(gcs, tfds_dir, tmp_path, batching):
   """config.data.bucket_reads='direct', 2 processes × 4 devices: over a resumed stretch of N steps each process
   fetches only the training examples of its half of each global batch — one GET per example, counted by a relay in
