@@ -506,6 +506,18 @@ def test_data_built_into_and_read_from_a_bucket_trains_as_from_a_local_disk(gcs,
               if line.startswith(("text->image", "image->text"))] for w, d in ((tmp_path / "from-bucket",
                                                                                 "gs://bkt/tfds"), (local, tfds_dir))]
   assert len(recalls[0]) == 2 and recalls[0] == recalls[1], recalls
+  # eval.py --benchmarks reads a benchmark's data from the bucket too (the entry's keys over the run's data config).
+  cfg = tmp_path / "with_benchmarks.py"
+  cfg.write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom configs.demo import get_config as demo\n\n\n"
+                 "def get_config():\n  c = demo('test')\n  c.eval.benchmarks.synthetic = {'split': 'test'}\n"
+                 "  return c\n")
+  table = run_py(["eval.py", "--config", str(cfg), "--workdir", str(tmp_path / "from-bucket"), "--benchmarks=all",
+                  "--config.data.data_dir=gs://bkt/tfds"], env_extra=env)
+  with open(tmp_path / "from-bucket" / "eval_table.json") as f:
+    row = json.load(f)["benchmarks"]["synthetic"]
+  t2i = next(line for line in recalls[0] if line.startswith("text->image"))
+  assert [f"{v:.2f}" for v in row["t2i"].values()] == re.findall(r"R@\d+=\s*([\d.]+)", t2i), (row, t2i)
+  assert "synthetic" in table.stdout
 
 
 def test_data_staging_cut_off_by_the_server_ends_in_one_line_and_a_rerun_trains_as_from_a_local_disk(tmp_path,
