@@ -38,9 +38,11 @@ class Emulator:
   @property
   def env(self) -> dict:
     """What a process needs to use the emulator: the variables gcsfs / google-cloud-storage and tensorstore read,
-    and gcsfs' bucket-type probe off (it speaks gRPC over TLS, which the emulator's plain HTTP port does not)."""
+    and gcsfs' bucket-type probe off (it speaks gRPC over TLS, which the emulator's plain HTTP port does not). The C++
+    client's variable (array_record's reads) too: the package sets it from STORAGE_EMULATOR_HOST only when unset,
+    and an earlier in-process test may have left one in os.environ that a subprocess would inherit."""
     return {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
-            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+            "CLOUD_STORAGE_EMULATOR_ENDPOINT": self.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 
   def start(self) -> "Emulator":
     self.proc = subprocess.Popen(

@@ -119,7 +119,8 @@ def test_what_a_bucket_cannot_do_is_refused_in_one_line(gcs, tfds_dir):
   from gcs import _free_port
   dead = f"http://127.0.0.1:{_free_port()}"
   start = time.monotonic()
-  proc = train({**gcs.env, "STORAGE_EMULATOR_HOST": dead, "TENSORSTORE_GCS_HTTP_URL": dead}, "gs://bkt/dead",
+  proc = train({**gcs.env, "STORAGE_EMULATOR_HOST": dead, "TENSORSTORE_GCS_HTTP_URL": dead,
+                "CLOUD_STORAGE_EMULATOR_ENDPOINT": dead}, "gs://bkt/dead",
                tfds_dir, check=False)
   assert_error_exit(proc, "gs://bkt", "cannot be reached")
   assert time.monotonic() - start < 60
