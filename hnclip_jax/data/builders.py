@@ -199,17 +199,22 @@ def pin_build(data_config):
   return out
 
 
+def _builds_beside(data_path: str, base: str) -> tuple[str, list[str]]:
+  """The dataset's folder above a build's data path (DATASET/CONFIG/VERSION) and its builds named BASE_…."""
+  parent = paths.dirname(paths.dirname(data_path))
+  return parent, sorted(d for d in (paths.listdir(parent) if paths.isdir(parent) else []) if d.startswith(base + "_"))
+
+
 def _check_buildable(builder, data_config) -> None:
   """Before a manual dataset's build is made: the files in the manual folder must be the ones its name says
   (a build named by config.data.build, or recorded in data.json, is never made from other files)."""
   if not DATASETS[data_config.name][2]:
     return
   build, folder = data_config.build, _folder(data_config)
-  now = _folder_build(data_config)
+  now = None if folder is None else f"{_base(data_config)}_{manual.input_fingerprint(folder)}"
   if now == build:
     return
-  parent = paths.dirname(paths.dirname(str(builder.data_path)))
-  there = sorted(d for d in (paths.listdir(parent) if paths.isdir(parent) else []) if d.startswith(_base(data_config)))
+  parent, there = _builds_beside(str(builder.data_path), _base(data_config))
   raise FileNotFoundError(
       f"config.data.build={build}: there is no such build in {parent} (builds there: {', '.join(there) or 'none'}), "
       "and it cannot be made: " + ("config.data.manual_dir (the files to make it from) is not set"
@@ -243,10 +248,8 @@ def _report_build(builder, data_config) -> None:
     return
   reason = "no build for these inputs yet"
   if manual_needed:
-    base = name.rsplit("_", 1)[0]
-    parent = paths.dirname(paths.dirname(where))
-    others = sorted(d for d in (paths.listdir(parent) if paths.isdir(parent) else [])
-                    if d.startswith(base + "_") and d != name)
+    parent, others = _builds_beside(where, name.rsplit("_", 1)[0])
+    others = [d for d in others if d != name]
     if others:
       reason = (f"the manual folder {data_config.manual_dir} differs from what the earlier build(s) "
                 f"{', '.join(others)} in {parent} were made from (files, sizes, times or index contents)")
